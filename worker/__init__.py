@@ -1,0 +1,1 @@
+"""Alpamayo 2 Super Kafka inference worker."""

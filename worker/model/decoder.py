@@ -1,0 +1,139 @@
+"""A compact decoder over a static KV cache with one length per sequence.
+
+Decode (T=1) and DFlash2 verification (T=8) run here instead of through transformers: the cache
+is indexed by position, so rolling a sequence back is just lowering its length (rejected slots
+are overwritten next step), ragged acceptance across a batch costs nothing, and shapes stay
+static for CUDA graphs.
+
+For text positions the multimodal rotary of Qwen3-VL (three equal axes) reduces to 1-D rotary
+at `position = cache_index + rope_delta`; `rope_delta` comes from the prompt's multimodal
+positions (see `inputs.mrope_positions`).
+
+Shapes: B rows (scenes x samples), T new tokens per row, L cache capacity, Hkv KV heads, D head
+dim, H hidden size, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class StaticKVCache:
+    """K/V of every layer: (layers, rows, Hkv, L, D). Row r holds positions [0, length[r])."""
+
+    def __init__(self, num_layers: int, rows: int, kv_heads: int, capacity: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (num_layers, rows, kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[1]
+
+    def load_prefix(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], rows: slice) -> None:
+        """Copy a prefill's per-layer K/V (1, Hkv, P, D) into `rows` (the K-way fork)."""
+        for layer, (k, v) in enumerate(layer_kv):
+            p = k.shape[2]
+            self.k[layer, rows, :, :p] = k[0].to(self.k.dtype)
+            self.v[layer, rows, :, :p] = v[0].to(self.v.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+                 scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions (B, T) -> cos, sin (B, T, D), rotary layout cat(freqs, freqs) as in transformers."""
+    freqs = positions[..., None].float() * inv_freq.float().to(positions.device)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, T, D); cos/sin (B, T, D)."""
+    cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def qkv(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int):
+    """Projections, per-head q/k RMSNorm and rotary of a Qwen3 attention module.
+
+    x (B, T, H) -> q (B, Hq, T, D), k (B, Hkv, T, D), v (B, Hkv, T, D).
+    """
+    b, t, _ = x.shape
+    q = attn.q_norm(attn.q_proj(x).view(b, t, -1, head_dim)).transpose(1, 2)
+    k = attn.k_norm(attn.k_proj(x).view(b, t, -1, head_dim)).transpose(1, 2)
+    v = attn.v_proj(x).view(b, t, -1, head_dim).transpose(1, 2)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention. q (B, Hq, T, D); k, v (B, Hkv, S, D); mask (B, 1, T, S) bool."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor                 # (B, T, V) fp32
+    hidden: dict[int, torch.Tensor]      # layer id -> (B, T, H), output of that decoder layer
+
+
+class TextDecoder:
+    """Runs the VLM text stack (weights of transformers' Qwen3VLTextModel) over a StaticKVCache."""
+
+    def __init__(self, language_model: nn.Module, lm_head: nn.Module):
+        self.lm = language_model
+        self.lm_head = lm_head
+        conf = language_model.config
+        self.head_dim = getattr(conf, "head_dim", None) or conf.hidden_size // conf.num_attention_heads
+        self.num_layers = conf.num_hidden_layers
+        self.kv_heads = conf.num_key_value_heads
+        rotary = language_model.rotary_emb
+        self.inv_freq = rotary.inv_freq
+        self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+
+    def new_cache(self, rows: int, capacity: int, dtype: torch.dtype, device) -> StaticKVCache:
+        return StaticKVCache(self.num_layers, rows, self.kv_heads, capacity, self.head_dim, dtype, device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, start: torch.Tensor, rope_delta: torch.Tensor,
+                cache: StaticKVCache, context_len: int, capture: tuple[int, ...] = ()) -> StepOutput:
+        """Feed T tokens per row at positions start..start+T-1 and write their K/V.
+
+        input_ids (B, T) long; start (B,) long cache index of the first new token;
+        rope_delta (B,) long; context_len: host int >= max(start) + T (keys attended).
+        Row b's token t attends keys [0, start[b] + t].
+        """
+        b, t = input_ids.shape
+        dev = input_ids.device
+        offs = torch.arange(t, device=dev)
+        write = start[:, None] + offs                                    # (B, T)
+        cos, sin = rope_cos_sin(write + rope_delta[:, None], self.inv_freq, cache.k.dtype,
+                                self.rope_scaling)
+        keys = torch.arange(context_len, device=dev)
+        mask = (keys[None, None, :] <= write[:, :, None])[:, None]       # (B, 1, T, S)
+        idx = write[:, None, :, None].expand(b, self.kv_heads, t, self.head_dim)
+        h = self.lm.embed_tokens(input_ids).to(cache.k.dtype)
+        hidden: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.lm.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q, k, v = qkv(attn, x, cos, sin, self.head_dim)
+            ck, cv = cache.k[i, :b], cache.v[i, :b]
+            ck.scatter_(2, idx, k.to(ck.dtype))
+            cv.scatter_(2, idx, v.to(cv.dtype))
+            o = attend(q, ck[:, :, :context_len], cv[:, :, :context_len], mask)
+            h = h + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if i in capture:
+                hidden[i] = h
+        logits = self.lm_head(self.lm.norm(h)).float()
+        return StepOutput(logits=logits, hidden=hidden)

@@ -1,0 +1,72 @@
+"""The flow-matching action expert over the VLM's static KV cache (alpamayo2-model.md section 4).
+
+Expert layer l appends its 64 action tokens' K/V to VLM cache layer l and attends over
+[VLM K/V up to each row's terminal position ; 64 action K/V], non-causally. Action tokens take
+the text positions that would follow `<|traj_future_start|>`: offset + arange(64) + rope_delta.
+Euler integration from noise (t=0) to data (t=1); output is a velocity in normalised
+(acceleration, curvature) space.
+
+Shapes: R rows (all samples of the batch), L cache positions, W = 64 waypoints.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.model.decoder import StaticKVCache, attend, qkv, rope_cos_sin
+from worker.model.modules import ExpertModel
+from worker.model.sampling import normal
+
+
+class ActionExpert:
+    def __init__(self, expert: ExpertModel, num_waypoints: int = 64):
+        self.m = expert
+        conf = expert.llm_config
+        self.head_dim = getattr(conf, "head_dim", None) or conf.hidden_size // conf.num_attention_heads
+        self.inv_freq = expert.expert.rotary_emb.inv_freq
+        self.rope_scaling = float(getattr(expert.expert.rotary_emb, "attention_scaling", 1.0))
+        self.num_waypoints = num_waypoints
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, cache: StaticKVCache, offset: torch.Tensor,
+                 rope_delta: torch.Tensor, context_len: int) -> torch.Tensor:
+        """x (R, W, 2) noisy action, t (R, 1, 1) in [0, 1] -> velocity (R, W, 2) fp32.
+
+        offset (R,) long: cache columns [0, offset) are visible (prompt + reasoning up to and
+        including `<|traj_future_start|>`); context_len >= max(offset) (host int).
+        """
+        r, w = x.shape[0], self.num_waypoints
+        dev = x.device
+        dtype = cache.k.dtype
+        h = self.m.action_in_proj(x, t).to(dtype)                         # (R, W, He)
+        positions = offset[:, None] + torch.arange(w, device=dev) + rope_delta[:, None]
+        cos, sin = rope_cos_sin(positions, self.inv_freq, dtype, self.rope_scaling)
+        cols = torch.arange(context_len, device=dev)
+        visible = cols[None, :] < offset[:, None]                          # (R, L)
+        mask = torch.cat([visible, torch.ones(r, w, dtype=torch.bool, device=dev)], dim=1)
+        mask = mask[:, None, None, :].expand(r, 1, w, context_len + w)
+        for i, layer in enumerate(self.m.expert.layers):
+            attn = layer.self_attn
+            q, k, v = qkv(attn, layer.input_layernorm(h), cos, sin, self.head_dim)
+            keys = torch.cat([cache.k[i, :r, :, :context_len], k.to(dtype)], dim=2)
+            vals = torch.cat([cache.v[i, :r, :, :context_len], v.to(dtype)], dim=2)
+            o = attend(q, keys, vals, mask)
+            h = h + attn.o_proj(o.transpose(1, 2).reshape(r, w, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = self.m.expert.norm(h)
+        return self.m.action_out_proj(h).float()
+
+    @torch.inference_mode()
+    def sample(self, cache: StaticKVCache, offset: torch.Tensor, rope_delta: torch.Tensor,
+               keys: torch.Tensor, steps: int = 10) -> torch.Tensor:
+        """Euler flow matching from seeded noise. keys (R,) int64 per-sample noise keys.
+
+        Returns the normalised action (R, W, 2) fp32.
+        """
+        r = offset.shape[0]
+        context_len = int(offset.max())
+        x = normal(keys, (self.num_waypoints, 2)).to(offset.device)
+        ts = torch.linspace(0, 1, steps + 1)
+        for i in range(steps):
+            t = torch.full((r, 1, 1), float(ts[i]), device=x.device)
+            x = x + float(ts[i + 1] - ts[i]) * self.velocity(x, t, cache, offset, rope_delta, context_len)
+        return x

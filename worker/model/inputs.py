@@ -1,0 +1,248 @@
+"""Model inputs: camera profiles, image decoding and preprocessing, the prompt, trajectory tokens.
+
+Follows docs/alpamayo2-model.md section 2: 6 cameras x 4 frames, camera-major, oldest frame
+first; each frame is one Qwen3-VL *image* (temporal patch duplicated); the no-special-token
+prompt rendered with the Qwen3-VL chat layout; 45 history trajectory tokens replacing the
+`<|traj_history|>` placeholders; for auto_labeling 128 future tokens replacing `<|traj_future|>`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# camera id -> (dataset name, prompt display name)   (section 2.1)
+CAMERAS: dict[int, tuple[str, str]] = {
+    0: ("camera_cross_left_120fov", "Front left camera"),
+    1: ("camera_front_wide_120fov", "Front camera"),
+    2: ("camera_cross_right_120fov", "Front right camera"),
+    3: ("camera_rear_left_70fov", "Rear left camera"),
+    4: ("camera_rear_tele_30fov", "Rear camera"),
+    5: ("camera_rear_right_70fov", "Rear right camera"),
+    6: ("camera_front_tele_30fov", "Front telephoto camera"),
+}
+CAMERA_IDS_BY_NAME = {name: cid for cid, (name, _) in CAMERAS.items()}
+DRIVING_CAMERAS = (0, 1, 2, 3, 5, 6)
+VQA_CAMERAS = (0, 1, 2, 3, 4, 5)
+TASK_CAMERAS = {
+    "trajectory": DRIVING_CAMERAS, "meta_action": DRIVING_CAMERAS, "auto_labeling": DRIVING_CAMERAS,
+    "grounding": DRIVING_CAMERAS, "vqa": VQA_CAMERAS,
+}
+FRAMES_PER_CAMERA = 4
+
+SYSTEM_PROMPT = "You are a driving assistant that generates safe and accurate actions."
+INSTRUCTIONS = {
+    "trajectory": "output the chain-of-thought reasoning of the driving process, then output the future trajectory.",
+    "meta_action": "output the chain-of-thought reasoning of the driving process, then output meta actions, "
+                   "then output the future trajectory.",
+    "auto_labeling": "output a comprehensive analysis of the driving scene in JSON format.",
+}
+DEFAULT_QUESTIONS = {
+    "grounding": "Find the white lead vehicle directly ahead and return its bounding box in JSON.",
+    "vqa": "What are the key traffic elements visible in this scene and how should they influence driving behavior?",
+}
+TASKS_WITH_HISTORY = ("trajectory", "meta_action", "auto_labeling")
+
+ALLOWED_IMAGE_FORMATS = {"JPEG", "PNG", "WEBP", "BMP"}
+
+
+def decode_image(data: bytes, max_pixels: int = 4096 * 4096, max_bytes: int = 32 << 20) -> np.ndarray:
+    """Compressed JPEG/PNG/WebP/BMP bytes -> (H, W, 3) uint8 RGB.
+
+    Bounded before decoding: bytes <= max_bytes and the header's width x height <= max_pixels,
+    so decompression bombs are refused without allocating. Raises ValueError with the reason.
+    """
+    from PIL import Image
+
+    if len(data) > max_bytes:
+        raise ValueError(f"image is {len(data)} bytes, limit {max_bytes}")
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            if im.format not in ALLOWED_IMAGE_FORMATS:
+                raise ValueError(f"image format {im.format} not accepted (JPEG, PNG, WebP, BMP)")
+            w, h = im.size
+            if w * h > max_pixels or w < 1 or h < 1:
+                raise ValueError(f"image is {w}x{h} pixels, limit {max_pixels}")
+            im.draft("RGB", (w, h))
+            arr = np.asarray(im.convert("RGB"))
+    except ValueError:
+        raise
+    except Exception as e:  # PIL raises many types for corrupt data
+        raise ValueError(f"image cannot be decoded ({type(e).__name__}: {e})") from None
+    if arr.shape[0] != h or arr.shape[1] != w:
+        raise ValueError("image decoded to an unexpected size")
+    return arr
+
+
+@dataclass(frozen=True)
+class ImageProcessing:
+    """Qwen3-VL image preprocessing settings (preprocessor_config.json + config min/max pixels)."""
+
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_pixels: int = 163840
+    max_pixels: int = 196608
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+
+    @classmethod
+    def from_dir(cls, path: Path, min_pixels: int, max_pixels: int) -> "ImageProcessing":
+        d = json.loads((Path(path) / "preprocessor_config.json").read_text())
+        return cls(
+            patch_size=int(d.get("patch_size", 16)),
+            temporal_patch_size=int(d.get("temporal_patch_size", 2)),
+            merge_size=int(d.get("merge_size", 2)),
+            min_pixels=int(min_pixels),
+            max_pixels=int(max_pixels),
+            image_mean=tuple(d.get("image_mean", (0.5, 0.5, 0.5))),
+            image_std=tuple(d.get("image_std", (0.5, 0.5, 0.5))),
+        )
+
+    def target_size(self, height: int, width: int) -> tuple[int, int]:
+        """Qwen's smart_resize: multiples of patch*merge, pixels within [min, max]."""
+        factor = self.patch_size * self.merge_size
+        if max(height, width) / min(height, width) > 200:
+            raise ValueError("image aspect ratio must be below 200")
+        h = round(height / factor) * factor
+        w = round(width / factor) * factor
+        if h * w > self.max_pixels:
+            beta = math.sqrt(height * width / self.max_pixels)
+            h = max(factor, math.floor(height / beta / factor) * factor)
+            w = max(factor, math.floor(width / beta / factor) * factor)
+        elif h * w < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (height * width))
+            h = math.ceil(height * beta / factor) * factor
+            w = math.ceil(width * beta / factor) * factor
+        return h, w
+
+    def tokens_per_image(self, height: int, width: int) -> int:
+        h, w = self.target_size(height, width)
+        return (h // self.patch_size) * (w // self.patch_size) // (self.merge_size ** 2)
+
+    def __call__(self, frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """frames (N, H, W, 3) uint8 (one size) -> pixel_values (N*gh*gw, 3*T*P*P) fp32, grid (N, 3).
+
+        Float resize of x/255 (bicubic, antialiased), normalise, patchify in the exact order of
+        transformers' Qwen2-VL processor (each still image duplicated over the temporal patch).
+        """
+        n, height, width, _ = frames.shape
+        th, tw = self.target_size(height, width)
+        x = frames.permute(0, 3, 1, 2).float() / 255.0
+        if (th, tw) != (height, width):
+            x = F.interpolate(x, size=(th, tw), mode="bicubic", antialias=True, align_corners=False)
+        mean = torch.tensor(self.image_mean, device=x.device).view(1, 3, 1, 1)
+        std = torch.tensor(self.image_std, device=x.device).view(1, 3, 1, 1)
+        x = (x - mean) / std
+        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        gh, gw = th // p, tw // p
+        x = x.reshape(n, 3, gh // m, m, p, gw // m, m, p).permute(0, 2, 5, 3, 6, 1, 4, 7)
+        x = x.unsqueeze(6).expand(-1, -1, -1, -1, -1, -1, t, -1, -1)
+        pixel_values = x.reshape(n * gh * gw, 3 * t * p * p)
+        grid = torch.tensor([[1, gh, gw]] * n, dtype=torch.long)
+        return pixel_values, grid
+
+
+def mrope_positions(input_ids: torch.Tensor, image_grid: torch.Tensor, image_token_id: int,
+                    merge_size: int) -> tuple[torch.Tensor, int]:
+    """Qwen3-VL multimodal rotary positions for one prompt.
+
+    input_ids (P,) -> positions (3, P) long and rope_delta (int) = max position + 1 - P.
+    Text tokens advance all three axes together; an image block of grid (1, gh, gw) takes
+    t = start, h = start + row, w = start + col and advances by max(gh, gw) / merge.
+    """
+    ids = input_ids.tolist()
+    pos = torch.zeros(3, len(ids), dtype=torch.long)
+    cur, i, img = 0, 0, 0
+    while i < len(ids):
+        if ids[i] == image_token_id:
+            _, gh, gw = (int(v) for v in image_grid[img])
+            h, w = gh // merge_size, gw // merge_size
+            n = h * w
+            rows = torch.arange(h).repeat_interleave(w)
+            cols = torch.arange(w).repeat(h)
+            pos[0, i:i + n] = cur
+            pos[1, i:i + n] = cur + rows
+            pos[2, i:i + n] = cur + cols
+            cur += max(h, w)
+            i += n
+            img += 1
+        else:
+            pos[:, i] = cur
+            cur += 1
+            i += 1
+    return pos, int(pos.max()) + 1 - len(ids)
+
+
+@dataclass
+class PromptSpec:
+    """Everything the prompt depends on, for one scene."""
+
+    task: str
+    camera_ids: tuple[int, ...]
+    num_frames: int
+    tokens_per_image: int
+    nav_text: str | None = None
+    question: str | None = None
+
+
+class PromptBuilder:
+    """Renders the prompt text (section 2.5) and tokenizes it once, as the processor would."""
+
+    def __init__(self, tokenizer, token_ids, tokens_per_history: int, tokens_per_future: int,
+                 include_camera_ids: bool = True, frame_label: str = "frame_num"):
+        self.tok = tokenizer
+        self.ids = token_ids
+        self.tokens_per_history = tokens_per_history
+        self.tokens_per_future = tokens_per_future
+        self.include_camera_ids = include_camera_ids
+        self.frame_label = frame_label
+
+    def render(self, spec: PromptSpec) -> str:
+        parts: list[str] = []
+        image = "<|vision_start|>" + "<|image_pad|>" * spec.tokens_per_image + "<|vision_end|>"
+        for cid in spec.camera_ids:
+            if self.include_camera_ids:
+                parts.append(f"{CAMERAS[cid][1]}: ")
+            for k in range(spec.num_frames):
+                if self.frame_label == "frame_num":
+                    parts.append(f"frame {k} ")
+                parts.append(image)
+        if spec.task in TASKS_WITH_HISTORY:
+            parts.append("<|traj_history_start|>" + "<|traj_history|>" * self.tokens_per_history
+                         + "<|traj_history_end|>")
+        if spec.task == "auto_labeling":
+            parts.append("<|traj_future_start|>" + "<|traj_future|>" * self.tokens_per_future
+                         + "<|traj_future_end|>")
+        if spec.nav_text:
+            parts.append(spec.nav_text)
+        if spec.task in INSTRUCTIONS:
+            parts.append(INSTRUCTIONS[spec.task])
+        else:
+            parts.append(spec.question or DEFAULT_QUESTIONS[spec.task])
+        user = "".join(parts)
+        return (f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"
+                f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n")
+
+    def encode(self, spec: PromptSpec, history_ids: torch.Tensor | None,
+               future_ids: torch.Tensor | None) -> torch.Tensor:
+        """-> (P,) long prompt ids with the trajectory placeholders replaced in order."""
+        ids = torch.tensor(self.tok.encode(self.render(spec), add_special_tokens=False).ids,
+                           dtype=torch.long)
+        for pad, values, name in ((self.ids.traj_history, history_ids, "history"),
+                                  (self.ids.traj_future, future_ids, "future")):
+            where = (ids == pad).nonzero().flatten()
+            if len(where) == 0:
+                continue
+            if values is None or len(values) != len(where):
+                raise ValueError(f"prompt has {len(where)} {name} placeholders, "
+                                 f"got {0 if values is None else len(values)} {name} tokens")
+            ids[where] = values.to(torch.long)
+        return ids

@@ -1,0 +1,377 @@
+"""The engine the worker drives: a batch of validated scenes (one task, one K) in, per-scene
+results with per-stage timings out.
+
+Per batch: image prep and prefill run per scene (the vision tower and the prompt's K/V are
+computed once per scene through transformers' Qwen3-VL); the prompt cache is forked K ways into
+the static cache; all rows then decode together (baseline, or DFlash2 for trajectory requests
+on a dflash2 profile); trajectory rows end with the flow-matching expert over the cache up to
+each row's own `<|traj_future_start|>`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from worker.model import text_tasks
+from worker.model.action_space import action_to_trajectory, quat_wxyz_to_matrix
+from worker.model.checkpoint import load_model
+from worker.model.config import AlpamayoConfig, TokenIds
+from worker.model.decoder import TextDecoder
+from worker.model.expert import ActionExpert
+from worker.model.generate import baseline_decode, start_batch
+from worker.model.inputs import TASKS_WITH_HISTORY, ImageProcessing, PromptBuilder, PromptSpec, mrope_positions
+from worker.model.sampling import SamplingParams, sample_key
+from worker.model.tokenizer import load_tokenizer
+from worker.model.trajectory_tokens import future_tokenizer_from_config, history_tokenizer_from_config
+
+TRAJECTORY_MAX_NEW = 256
+DEFAULT_MAX_NEW = {"trajectory": TRAJECTORY_MAX_NEW, "meta_action": 512, "auto_labeling": 1024,
+                   "vqa": 1024, "grounding": 1024}
+
+
+@dataclass
+class SceneRequest:
+    """One validated scene job, decoded (no wire format here)."""
+
+    request_id: str
+    task: str
+    frames: np.ndarray                          # (N_cam * N_frames, H, W, 3) uint8, camera-major
+    camera_ids: tuple[int, ...]
+    num_frames: int = 4
+    ego_history_xyz: np.ndarray | None = None   # (16, 3)
+    ego_history_rot: np.ndarray | None = None   # (16, 3, 3)
+    ego_future_xyz: np.ndarray | None = None    # (64, 3)
+    ego_future_rot: np.ndarray | None = None    # (64, 3, 3)
+    num_samples: int = 1
+    temperature: float = 0.6
+    top_p: float = 0.98
+    top_k: int | None = None
+    seed: int = 0
+    max_tokens: int | None = None
+    nav_text: str | None = None
+    question: str | None = None
+
+
+@dataclass
+class SpecStats:
+    """Speculative-decoding counters of one request (all its samples summed)."""
+
+    num_spec_tokens: int
+    per_step_accepted: list[int]
+    per_step_drafted: list[int]
+
+    @property
+    def steps(self) -> int:
+        return len(self.per_step_accepted)
+
+    @property
+    def drafted(self) -> int:
+        return sum(self.per_step_drafted)
+
+    @property
+    def accepted(self) -> int:
+        return sum(self.per_step_accepted)
+
+
+@dataclass
+class SceneResult:
+    request_id: str
+    task: str
+    texts: list[str] = field(default_factory=list)
+    outputs: list[text_tasks.TaskOutput] = field(default_factory=list)
+    generated_tokens: list[int] = field(default_factory=list)
+    trajectories: np.ndarray | None = None      # (K, 64, 3) float32
+    rotations: np.ndarray | None = None         # (K, 64, 3, 3) float32
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    speculative: SpecStats | None = None
+    warnings: list[str] = field(default_factory=list)
+    error: tuple[str, str] | None = None        # (error code, message) when this scene failed
+
+
+class InferenceError(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Clock:
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __enter__(self):
+        _sync(self.device)
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        _sync(self.device)
+        self.ms = (time.perf_counter() - self.t0) * 1000.0
+
+
+@dataclass
+class _Prepared:
+    req: SceneRequest
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    rope_delta: int
+    pixel_values: torch.Tensor
+    grid: torch.Tensor
+    hist_xyz: torch.Tensor | None
+    hist_rot: torch.Tensor | None
+    image_prep_ms: float
+
+
+class AlpamayoRuntime:
+    def __init__(self, model, cfg: AlpamayoConfig, tokenizer, token_ids: TokenIds, image_proc: ImageProcessing,
+                 device: torch.device, dtype: torch.dtype, speculator=None, max_model_len: int | None = None):
+        self.model = model
+        self.cfg = cfg
+        self.tok = tokenizer
+        self.ids = token_ids
+        self.image_proc = image_proc
+        self.device = device
+        self.dtype = dtype
+        self.speculator = speculator
+        self.max_model_len = max_model_len
+        self.share_prefill = True
+        self.trajectory_max_new = TRAJECTORY_MAX_NEW   # reasoning cap (the release's 256)
+        self.decoder = TextDecoder(model.language_model, model.lm_head)
+        self.expert = ActionExpert(model.expert, cfg.action_space.n_waypoints)
+        self.history_tok = history_tokenizer_from_config(cfg.raw)
+        self.future_tok = future_tokenizer_from_config(cfg.raw)
+        self.prompts = PromptBuilder(tokenizer, token_ids, cfg.tokens_per_history_traj, cfg.tokens_per_future_traj,
+                                     cfg.include_camera_ids, cfg.frame_label)
+        vocab = int(cfg.text["vocab_size"])
+        lo, hi = token_ids.traj_token_range
+        banned = torch.zeros(vocab, dtype=torch.bool)
+        banned[lo:hi] = True
+        banned[tokenizer.get_vocab_size():] = True      # padding rows of the embedding table
+        self._banned_text = banned.to(device)
+        traj = banned.clone()
+        traj[[token_ids.im_end, token_ids.endoftext]] = True
+        self._banned_traj = traj.to(device)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def load(cls, checkpoint: str | Path, device: str | torch.device | None = None, precision: str = "bf16",
+             dtype: torch.dtype | None = None, speculator_factory=None, max_model_len: int | None = None):
+        """Load a checkpoint directory. precision bf16|fp8; dtype overrides the compute dtype
+        (fp32 for exactness tests; CPU defaults to fp32)."""
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dtype is None:
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model, cfg = load_model(checkpoint, device=device, dtype=dtype)
+        if precision == "fp8":
+            from worker.model.fp8 import quantize_model_fp8
+            quantize_model_fp8(model)
+        tok, ids = load_tokenizer(checkpoint, cfg)
+        image_proc = ImageProcessing.from_dir(Path(checkpoint), cfg.min_pixels, cfg.max_pixels)
+        speculator = speculator_factory(model, cfg, device, dtype) if speculator_factory else None
+        return cls(model, cfg, tok, ids, image_proc, device, dtype, speculator, max_model_len)
+
+    # ------------------------------------------------------------------ per-scene preparation
+    def _prepare(self, req: SceneRequest) -> _Prepared:
+        t0 = time.perf_counter()
+        frames = torch.from_numpy(np.ascontiguousarray(req.frames)).to(self.device)
+        pixel_values, grid = self.image_proc(frames)
+        hist_xyz = hist_rot = None
+        history_ids = future_ids = None
+        if req.task in TASKS_WITH_HISTORY:
+            if req.ego_history_xyz is None or req.ego_history_rot is None:
+                raise InferenceError("missing_egomotion", f"task {req.task} needs egomotion history")
+            hist_xyz = torch.as_tensor(req.ego_history_xyz, dtype=torch.float32)[None]
+            hist_rot = torch.as_tensor(req.ego_history_rot, dtype=torch.float32)
+            if hist_rot.shape[-1] == 4:
+                hist_rot = quat_wxyz_to_matrix(hist_rot)
+            hist_rot = hist_rot[None]
+            history_ids = self.history_tok.encode(hist_xyz)[0]
+        if req.task == "auto_labeling":
+            if req.ego_future_xyz is None or req.ego_future_rot is None:
+                raise InferenceError("missing_future_egomotion", "auto_labeling needs the future egomotion")
+            fut_xyz = torch.as_tensor(req.ego_future_xyz, dtype=torch.float32)[None]
+            fut_rot = torch.as_tensor(req.ego_future_rot, dtype=torch.float32)
+            if fut_rot.shape[-1] == 4:
+                fut_rot = quat_wxyz_to_matrix(fut_rot)
+            future_ids = self.future_tok.encode(hist_xyz, hist_rot, fut_xyz, fut_rot[None])[0]
+        h, w = int(req.frames.shape[1]), int(req.frames.shape[2])
+        spec = PromptSpec(req.task, tuple(req.camera_ids), req.num_frames, self.image_proc.tokens_per_image(h, w),
+                          req.nav_text, req.question)
+        input_ids = self.prompts.encode(spec, history_ids, future_ids)
+        positions, delta = mrope_positions(input_ids, grid, self.ids.image_pad, self.image_proc.merge_size)
+        _sync(self.device)
+        return _Prepared(req, input_ids, positions, delta, pixel_values.to(self.dtype), grid, hist_xyz, hist_rot,
+                         (time.perf_counter() - t0) * 1000.0)
+
+    @torch.inference_mode()
+    def _prefill(self, p: _Prepared, capture: tuple[int, ...]):
+        """-> (last-position logits (V,) fp32, per-layer K/V list, {layer: hidden (1, P, H)})."""
+        captured: dict[int, torch.Tensor] = {}
+        hooks = [self.model.language_model.layers[i].register_forward_hook(
+            lambda _m, _i, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+            for i in capture]
+        try:
+            out = self.model.vlm.model(
+                input_ids=p.input_ids[None].to(self.device), pixel_values=p.pixel_values,
+                image_grid_thw=p.grid.to(self.device), position_ids=p.positions[:, None].to(self.device),
+                use_cache=True)
+        finally:
+            for hk in hooks:
+                hk.remove()
+        cache = out["cache"] if "cache" in out.keys() else out["past_key_values"]   # renamed in transformers 5.2x
+        layer_kv = [(layer.keys, layer.values) for layer in cache.layers]
+        logits = self.model.lm_head(out.last_hidden_state[0, -1]).float()
+        return logits, layer_kv, captured
+
+    # ------------------------------------------------------------------ the batch
+    def run(self, batch: list[SceneRequest]) -> list[SceneResult]:
+        """Run one batch (one task, one K). Failures of one scene never fail the others."""
+        if not batch:
+            return []
+        task = batch[0].task
+        k = batch[0].num_samples
+        if any(r.task != task or r.num_samples != k for r in batch):
+            raise ValueError("a batch must hold one task and one K")
+        results = {r.request_id: SceneResult(r.request_id, task) for r in batch}
+        prepared: list[_Prepared] = []
+        for req in batch:
+            try:
+                prepared.append(self._prepare(req))
+            except InferenceError as e:
+                results[req.request_id].error = (e.code, str(e))
+            except ValueError as e:
+                results[req.request_id].error = ("bad_image", str(e))
+        max_new = []
+        ok: list[_Prepared] = []
+        for p in prepared:
+            limit = self.trajectory_max_new if task == "trajectory" else (p.req.max_tokens or DEFAULT_MAX_NEW[task])
+            plen = len(p.input_ids)
+            if self.max_model_len is not None:
+                if plen + 1 > self.max_model_len:
+                    results[p.req.request_id].error = (
+                        "out_of_range", f"prompt is {plen} tokens, NIM_ALPAMAYO_MAX_MODEL_LEN is {self.max_model_len}")
+                    continue
+                limit = min(limit, self.max_model_len - plen)
+            ok.append(p)
+            max_new.append(limit)
+        if ok:
+            try:
+                self._generate(task, k, ok, max_new, results)
+            except torch.cuda.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                for p in ok:
+                    results[p.req.request_id].error = ("inference_failed", "out of GPU memory for this batch")
+        return [results[r.request_id] for r in batch]
+
+    def _generate(self, task: str, k: int, ok: list[_Prepared], max_new: list[int],
+                  results: dict[str, SceneResult]) -> None:
+        dev = self.device
+        speculate = self.speculator is not None and task == "trajectory"
+        capture = tuple(self.speculator.target_layer_ids) if speculate else ()
+        rows = len(ok) * k
+        plens = [len(p.input_ids) for p in ok]
+        block = self.speculator.block_size if speculate else 1
+        capacity = max(pl + mn for pl, mn in zip(plens, max_new)) + block + 1
+        cache = self.decoder.new_cache(rows, capacity, self.dtype, dev)
+        if speculate:
+            self.speculator.begin(rows, capacity)
+        first_logits = torch.empty(rows, self.model.lm_head.out_features, device=dev)
+        prefill_ms = []
+        for s, p in enumerate(ok):
+            with _Clock(dev) as c:
+                # one prefill forked K ways (share_prefill=False: the K-separate-prefills reference)
+                forks = [slice(s * k, (s + 1) * k)] if self.share_prefill else \
+                    [slice(r, r + 1) for r in range(s * k, (s + 1) * k)]
+                for rows_ in forks:
+                    logits, layer_kv, hidden = self._prefill(p, capture)
+                    cache.load_prefix(layer_kv, rows_)
+                    first_logits[rows_] = logits
+                    if speculate:
+                        self.speculator.load_context(rows_, hidden)
+                    del layer_kv
+            prefill_ms.append(c.ms)
+        rep = lambda xs: torch.tensor([x for x in xs for _ in range(k)], dtype=torch.long, device=dev)  # noqa: E731
+        params = SamplingParams(
+            key=torch.tensor([sample_key(p.req.seed, j) for p in ok for j in range(k)], dtype=torch.long,
+                             device=dev),
+            temperature=torch.tensor([p.req.temperature for p in ok for _ in range(k)], device=dev),
+            top_p=torch.tensor([p.req.top_p for p in ok for _ in range(k)], device=dev),
+            top_k=rep([p.req.top_k or 0 for p in ok]),
+        )
+        ids = self.ids
+        if task == "trajectory":
+            banned, terminal = self._banned_traj, [ids.traj_future_start]
+        elif task == "meta_action":
+            banned, terminal = self._banned_text, [ids.traj_future_start, ids.im_end, ids.endoftext]
+        else:
+            banned, terminal = self._banned_text, [ids.im_end, ids.endoftext]
+        with _Clock(dev) as c_decode:
+            batch = start_batch(cache, rep(plens), first_logits, rep([p.rope_delta for p in ok]), params, banned,
+                                torch.tensor(terminal, device=dev), rep(max_new))
+            if speculate:
+                batch, spec_rows = self.speculator.decode(self.decoder, batch)
+            else:
+                batch = baseline_decode(self.decoder, batch)
+        trajectories = rotations = None
+        diffusion_ms = 0.0
+        if task == "trajectory":
+            with _Clock(dev) as c_diff:
+                hist_xyz = torch.cat([p.hist_xyz for p in ok]).repeat_interleave(k, 0)
+                hist_rot = torch.cat([p.hist_rot for p in ok]).repeat_interleave(k, 0)
+                action = self.expert.sample(cache, batch.lengths, batch.rope_delta, params.key,
+                                            self.cfg.diffusion.num_inference_steps)
+                xyz, rot = action_to_trajectory(action.cpu(), hist_xyz, hist_rot, self.cfg.action_space)
+                trajectories, rotations = xyz.numpy(), rot.numpy()
+            diffusion_ms = c_diff.ms
+        generated = batch.generated.cpu()
+        n_gen = batch.n_generated.cpu()
+        for s, p in enumerate(ok):
+            res = results[p.req.request_id]
+            for j in range(k):
+                r = s * k + j
+                toks = generated[r, :int(n_gen[r])].tolist()
+                text = text_tasks.extract_text(self.tok.decode(toks, skip_special_tokens=False))
+                out = text_tasks.parse_task_output(task, text)
+                res.texts.append(text)
+                res.outputs.append(out)
+                res.generated_tokens.append(len(toks))
+                if task == "trajectory" and ids.traj_future_start not in toks:
+                    res.warnings.append(f"sample {j}: reasoning hit the {len(toks)}-token cap before "
+                                        "<|traj_future_start|>; the expert used the last position")
+            if trajectories is not None:
+                res.trajectories = trajectories[s * k:(s + 1) * k]
+                res.rotations = rotations[s * k:(s + 1) * k]
+            if speculate:
+                res.speculative = self.speculator.merge_stats(spec_rows[s * k:(s + 1) * k])
+            res.timings_ms = {"image_prep": p.image_prep_ms, "prefill": prefill_ms[s],
+                              "decode": c_decode.ms, "diffusion": diffusion_ms}
+
+    # ------------------------------------------------------------------ warm-up
+    def warmup(self, k_values: list[int], image_size: tuple[int, int] = (64, 64)) -> None:
+        """Run one synthetic trajectory scene per K (untimed), so the first real request is not slower."""
+        rng = np.random.default_rng(0)
+        n = 6 * 4
+        for k in k_values:
+            xyz = np.zeros((16, 3), np.float32)
+            xyz[:, 0] = np.linspace(-15, 0, 16)
+            req = SceneRequest(
+                request_id=f"warmup-k{k}", task="trajectory",
+                frames=rng.integers(0, 255, (n, image_size[0], image_size[1], 3), dtype=np.uint8),
+                camera_ids=(0, 1, 2, 3, 5, 6), ego_history_xyz=xyz,
+                ego_history_rot=np.tile(np.eye(3, dtype=np.float32), (16, 1, 1)),
+                num_samples=k, temperature=0.6 if k > 1 else 0.0, seed=0)
+            self.run([req])
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        return {"config_sha256": self.cfg.sha256}

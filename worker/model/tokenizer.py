@@ -1,0 +1,76 @@
+"""The extended Alpamayo tokenizer (docs/alpamayo2-model.md section 1.4).
+
+The release loads the base Qwen3-VL tokenizer and appends `<i0>`..`<i999>` (history bins),
+`<i1000>`..`<i3999>` (future bins) and 29 special tokens, in that order. A checkpoint whose
+tokenizer.json already holds them is used as is; otherwise they are appended in the same order,
+so the ids come out as the release's. Resolved ids are checked against config `traj_ids`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from worker.model.config import (FUTURE_BINS, HISTORY_BINS, SPECIAL_TOKENS, AlpamayoConfig,
+                                 CheckpointError, TokenIds)
+
+QWEN_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|vision_start|>", "<|vision_end|>",
+               "<|image_pad|>")
+TRAJ_ID_KEYS = {  # config traj_ids key -> token
+    "history_id0": "<i0>", "future_id0": f"<i{HISTORY_BINS}>",
+    "history_start": "<|traj_history_start|>", "history_end": "<|traj_history_end|>",
+    "history_pad": "<|traj_history|>", "future_start": "<|traj_future_start|>",
+    "future_end": "<|traj_future_end|>", "future_pad": "<|traj_future|>",
+}
+
+
+def extend_tokenizer(tok) -> None:
+    """Append the trajectory-bin and special tokens that are missing, in the release's order."""
+    from tokenizers import AddedToken
+
+    bins = [f"<i{i}>" for i in range(HISTORY_BINS + FUTURE_BINS)]
+    missing_bins = [b for b in bins if tok.token_to_id(b) is None]
+    if missing_bins:
+        tok.add_tokens(missing_bins)
+    specials = [s for s in SPECIAL_TOKENS if tok.token_to_id(s) is None]
+    if specials:
+        tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+
+
+def load_tokenizer(path: str | Path, cfg: AlpamayoConfig):
+    """-> (tokenizers.Tokenizer, TokenIds). Raises CheckpointError naming the mismatch."""
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    extend_tokenizer(tok)
+    missing = [t for t in QWEN_TOKENS if tok.token_to_id(t) is None]
+    if missing:
+        raise CheckpointError(f"checkpoint {path}: tokenizer.json lacks {', '.join(missing)}")
+    for key, token in TRAJ_ID_KEYS.items():
+        want = cfg.traj_ids.get(key)
+        got = tok.token_to_id(token)
+        if want is not None and int(want) != got:
+            raise CheckpointError(
+                f"checkpoint {path}: config.json traj_ids.{key}={want} but the tokenizer gives {token} id {got}")
+    h0 = tok.token_to_id("<i0>")
+    if tok.token_to_id(f"<i{HISTORY_BINS + FUTURE_BINS - 1}>") != h0 + HISTORY_BINS + FUTURE_BINS - 1:
+        raise CheckpointError(f"checkpoint {path}: trajectory-bin tokens <i0>..<i3999> are not contiguous")
+    vocab = int(cfg.text["vocab_size"])
+    if tok.get_vocab_size() > vocab:
+        raise CheckpointError(f"checkpoint {path}: tokenizer has {tok.get_vocab_size()} tokens but "
+                              f"vlm_config.text_config.vocab_size is {vocab}")
+    t = tok.token_to_id
+    ids = TokenIds(
+        history_id0=h0, future_id0=t(f"<i{HISTORY_BINS}>"),
+        traj_history_start=t("<|traj_history_start|>"), traj_history_end=t("<|traj_history_end|>"),
+        traj_history=t("<|traj_history|>"), traj_future_start=t("<|traj_future_start|>"),
+        traj_future_end=t("<|traj_future_end|>"), traj_future=t("<|traj_future|>"),
+        im_start=t("<|im_start|>"), im_end=t("<|im_end|>"), endoftext=t("<|endoftext|>"),
+        vision_start=t("<|vision_start|>"), vision_end=t("<|vision_end|>"), image_pad=t("<|image_pad|>"),
+        pad=t("<|endoftext|>"),
+    )
+    image_token = cfg.vlm_config.get("image_token_id", 151655)
+    if image_token != ids.image_pad:
+        raise CheckpointError(f"checkpoint {path}: vlm_config.image_token_id={image_token} but the "
+                              f"tokenizer gives <|image_pad|> id {ids.image_pad}")
+    return tok, ids
