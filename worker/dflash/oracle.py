@@ -1,0 +1,50 @@
+"""Oracle proposals for benchmarks and tests.
+
+Random weights make real acceptance meaningless, so the benchmark runs the real draft network
+(its cost is real) but proposes a recorded reference continuation, each proposal replaced by a
+wrong token with probability `error_rate`, chosen to hit a target mean acceptance length tau.
+Errors are drawn with the counter-based noise, so runs are reproducible.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.dflash.proposer import Proposer
+from worker.model.sampling import uniform
+
+
+def error_rate_for_tau(tau: float, num_spec_tokens: int = 7) -> float:
+    """Per-token error rate e with 1 + sum_{i=1..n} (1-e)^i = tau (bisection)."""
+    if not 1.0 <= tau <= num_spec_tokens + 1:
+        raise ValueError(f"tau must be in [1, {num_spec_tokens + 1}], got {tau}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        e = (lo + hi) / 2
+        t = 1 + sum((1 - e) ** i for i in range(1, num_spec_tokens + 1))
+        lo, hi = (e, hi) if t > tau else (lo, e)
+    return (lo + hi) / 2
+
+
+class OracleProposer:
+    def __init__(self, inner: Proposer, reference: torch.Tensor, error_rate: float, seed: int = 0):
+        """reference (R, L) long: each row's recorded generated tokens (padded)."""
+        self.inner = inner
+        self.reference = reference
+        self.error_rate = error_rate
+        self.seed = seed
+        self.block_size = inner.block_size
+
+    def __getattr__(self, name):          # begin, write_context, ... go to the real proposer
+        return getattr(self.inner, name)
+
+    def propose(self, batch) -> torch.Tensor:
+        real = self.inner.propose(batch)                                   # pay the draft's cost
+        n = real.shape[1]
+        ref = self.reference.to(real.device)
+        idx = (batch.n_generated[:, None] + torch.arange(n, device=real.device)).clamp(max=ref.shape[1] - 1)
+        want = ref.gather(1, idx)
+        key = torch.full_like(batch.n_generated, self.seed) + torch.arange(real.shape[0], device=real.device)
+        u = uniform(key, idx, 1, stream=3)[..., 0]
+        wrong = (want + 1 + (u * 97).long()) % max(int(ref.max()) + 2, 2)
+        return torch.where(u < self.error_rate, wrong, want)

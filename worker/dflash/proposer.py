@@ -1,0 +1,79 @@
+"""Block drafting: [last committed token, MASK x 7] -> one draft forward -> selector -> 7 proposals.
+
+The proposer keeps, per draft layer, a static cache of the context K/V (projected target hidden
+states of every committed position), indexed by position like the target cache: row r's context
+is positions [0, lengths[r]) of the target, so rollback needs nothing here either.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.dflash.draft import DraftModel
+
+
+class Proposer:
+    def __init__(self, draft: DraftModel, embed_tokens: torch.nn.Module, lm_head: torch.nn.Module):
+        self.draft = draft
+        self.embed = embed_tokens
+        self.lm_head = lm_head
+        c = draft.config
+        self.block_size = c.block_size
+        self.mask_token_id = c.mask_token_id
+        self.num_candidates = c.num_candidates
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+
+    def begin(self, rows: int, capacity: int, device, dtype) -> None:
+        c = self.draft.config
+        shape = (rows, c.num_key_value_heads, capacity, c.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
+
+    @torch.inference_mode()
+    def write_context(self, hidden: dict[int, torch.Tensor], start: torch.Tensor, rope_delta: torch.Tensor,
+                      fork: slice | None = None) -> None:
+        """Project target hidden states {layer: (b, T, H)} and write their context K/V at positions
+        start[b]..start[b]+T-1 of rows 0..b-1; or, for a prefill (b = 1, start 0), into every row
+        of `fork` (the K samples of one scene)."""
+        feats = self.draft.project(hidden)                                 # (b, T, H)
+        b, t = feats.shape[:2]
+        pos = start[:, None] + torch.arange(t, device=feats.device)        # (b, T) cache indices
+        kv = self.draft.context_kv(feats, pos + rope_delta[:, None])
+        d = self.draft.config.head_dim
+        for layer, (k, v) in enumerate(kv):
+            if fork is not None:
+                self.k[layer][fork, :, :t] = k.to(self.k[layer].dtype)
+                self.v[layer][fork, :, :t] = v.to(self.v[layer].dtype)
+            else:
+                idx = pos[:, None, :, None].expand(b, k.shape[1], t, d)
+                self.k[layer][:b].scatter_(2, idx, k.to(self.k[layer].dtype))
+                self.v[layer][:b].scatter_(2, idx, v.to(self.v[layer].dtype))
+
+    @torch.inference_mode()
+    def propose(self, batch) -> torch.Tensor:
+        """DecodeBatch -> proposals (B, 7) for the positions after each row's next_token (the last
+        committed token, not yet in the cache, at position lengths)."""
+        next_token, lengths, rope_delta, banned = batch.next_token, batch.lengths, batch.rope_delta, batch.banned
+        b = next_token.shape[0]
+        dev = next_token.device
+        n = self.block_size
+        block = torch.full((b, n), self.mask_token_id, dtype=torch.long, device=dev)
+        block[:, 0] = next_token
+        positions = lengths[:, None] + torch.arange(n, device=dev) + rope_delta[:, None]
+        s = int(lengths.max())
+        ctx = [(k[:b, :, :s], v[:b, :, :s]) for k, v in zip(self.k, self.v)]
+        visible = torch.arange(s, device=dev)[None, :] < lengths[:, None]
+        emb = self.embed(block).to(self.k[0].dtype)
+        h = self.draft.block_hidden(emb, positions, ctx, visible)          # (B, n, H)
+        logits = self.lm_head(h[:, 1:]).float().masked_fill(banned, float("-inf"))
+        cand_logits, cand = logits.topk(self.num_candidates, dim=-1)      # (B, n-1, C)
+        cand_emb = self.embed(cand).to(h.dtype)                            # (B, n-1, C, H)
+        out = torch.empty(b, n - 1, dtype=torch.long, device=dev)
+        prev = next_token
+        for i in range(n - 1):
+            scores = self.draft.selector.scores(h[:, 1 + i:2 + i], self.embed(prev)[:, None].to(h.dtype),
+                                                cand_emb[:, i:i + 1], cand_logits[:, i:i + 1])   # (B, 1, C)
+            prev = cand[:, i].gather(1, scores[:, 0].argmax(-1, keepdim=True))[:, 0]
+            out[:, i] = prev
+        return out
