@@ -191,3 +191,29 @@ def write_metadata(path: str | Path, base: AlpamayoConfig, provenance: dict[str,
             "canonical_form": "json.dumps(config, sort_keys=True, separators=(',', ':'), ensure_ascii=False)",
             **provenance}
     (Path(path) / METADATA_FILE).write_text(json.dumps(meta, indent=2))
+
+
+def head_config_for(base: AlpamayoConfig, mask_token_id: int, num_layers: int = 1,
+                    target_layer_ids: tuple[int, ...] | None = None, num_candidates: int = 4,
+                    selector_dim: int = 32) -> HeadConfig:
+    """A head config matching `base`: the draft layers have the target's width and head layout.
+
+    Default target layers follow the public DFlash recipe: up to 5 layers spread from layer 1 to
+    L-3 (all layers for very shallow bases)."""
+    t = base.text
+    n = int(t["num_hidden_layers"])
+    if target_layer_ids is None:
+        if n >= 5:
+            span = n - 4
+            k = min(5, span + 1)
+            target_layer_ids = tuple(sorted({1 + round(i * span / max(k - 1, 1)) for i in range(k)}))
+        else:
+            target_layer_ids = tuple(range(n))
+    rope = t.get("rope_parameters") or {}
+    return HeadConfig(
+        block_size=NUM_SPEC_TOKENS + 1, hidden_size=int(t["hidden_size"]),
+        intermediate_size=int(t["intermediate_size"]), num_hidden_layers=num_layers,
+        num_attention_heads=int(t["num_attention_heads"]), num_key_value_heads=int(t["num_key_value_heads"]),
+        head_dim=int(t["head_dim"]), target_layer_ids=tuple(target_layer_ids), mask_token_id=int(mask_token_id),
+        num_candidates=num_candidates, selector_dim=selector_dim, rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", t.get("rope_theta", 5e6))), vocab_size=int(t["vocab_size"]))

@@ -86,6 +86,7 @@ class SceneResult:
     texts: list[str] = field(default_factory=list)
     outputs: list[text_tasks.TaskOutput] = field(default_factory=list)
     generated_tokens: list[int] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)   # generated ids per sample
     trajectories: np.ndarray | None = None      # (K, 64, 3) float32
     rotations: np.ndarray | None = None         # (K, 64, 3, 3) float32
     timings_ms: dict[str, float] = field(default_factory=dict)
@@ -297,7 +298,7 @@ class AlpamayoRuntime:
                     cache.load_prefix(layer_kv, rows_)
                     first_logits[rows_] = logits
                     if speculate:
-                        self.speculator.load_context(rows_, hidden)
+                        self.speculator.load_context(rows_, hidden, p.rope_delta)
                     del layer_kv
             prefill_ms.append(c.ms)
         rep = lambda xs: torch.tensor([x for x in xs for _ in range(k)], dtype=torch.long, device=dev)  # noqa: E731
@@ -345,6 +346,7 @@ class AlpamayoRuntime:
                 res.texts.append(text)
                 res.outputs.append(out)
                 res.generated_tokens.append(len(toks))
+                res.token_ids.append(toks)
                 if task == "trajectory" and ids.traj_future_start not in toks:
                     res.warnings.append(f"sample {j}: reasoning hit the {len(toks)}-token cap before "
                                         "<|traj_future_start|>; the expert used the last position")

@@ -1,0 +1,1 @@
+"""Producer-side tools: synthetic scenes, publishing, sinks, audits and reports."""

@@ -1,0 +1,234 @@
+"""DFlash2: head checks, lossless batched verification, speculative metrics (CPU, fp32)."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from worker.demo.layout import write_random_checkpoint
+from worker.dflash.draft import DraftModel
+from worker.dflash.head import HeadError, check_head, head_config_for, write_metadata
+from worker.dflash.loop import DFlash2Speculator
+from worker.dflash.oracle import OracleProposer, error_rate_for_tau
+from worker.model.runtime import AlpamayoRuntime
+
+from tests.test_model_runtime import scene
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def head(ckpt, tmp_path_factory):
+    from worker.model.config import AlpamayoConfig
+    from worker.model.tokenizer import load_tokenizer
+
+    cfg = AlpamayoConfig.from_dir(ckpt)
+    tok, _ = load_tokenizer(ckpt, cfg)
+    hc = head_config_for(cfg, mask_token_id=tok.token_to_id("<|route_pad|>"))
+    torch.manual_seed(1)
+    d = tmp_path_factory.mktemp("head") / "head"
+    DraftModel(hc).save(d)
+    write_metadata(d, cfg, {"trained": False, "note": "random test head"})
+    return d
+
+
+@pytest.fixture(scope="module")
+def runtimes(ckpt, head):
+    base = AlpamayoRuntime.load(ckpt, device="cpu", dtype=torch.float32)
+    spec = AlpamayoRuntime.load(ckpt, device="cpu", dtype=torch.float32,
+                                speculator_factory=DFlash2Speculator.factory(str(head)))
+    for r in (base, spec):
+        r.trajectory_max_new = 24
+    return base, spec
+
+
+class ExpertInputs:
+    """Records what the action expert is given: the verified terminal positions and the K/V
+    it may see (cache columns < offset)."""
+
+    def __init__(self, rt):
+        self.rt, self.seen = rt, []
+
+    def __enter__(self):
+        orig = self.rt.expert.sample
+
+        def wrapped(cache, offset, rope_delta, keys, steps=10):
+            self.seen.append((offset.clone(), [cache.k[:, r, :, :int(o)].clone() for r, o in enumerate(offset)]))
+            return orig(cache, offset, rope_delta, keys, steps)
+        self.rt.expert.sample = wrapped
+        return self
+
+    def __exit__(self, *exc):
+        del self.rt.expert.sample
+
+
+def assert_same_expert_inputs(a: ExpertInputs, b: ExpertInputs):
+    for (oa, ka), (ob, kb) in zip(a.seen, b.seen, strict=True):
+        assert torch.equal(oa, ob)                       # same verified terminal positions
+        for x, y in zip(ka, kb):
+            assert (x - y).abs().max() < 1e-5            # same K/V up to fp32 rounding
+
+
+def test_random_head_is_lossless_and_counts(runtimes):
+    base, spec = runtimes
+    reqs = [scene(1, k=2, temperature=0.8, seed=3), scene(2, k=2, temperature=0.8, seed=4)]
+    with ExpertInputs(base) as ea:
+        a = base.run(reqs)
+    with ExpertInputs(spec) as eb:
+        b = spec.run(reqs)
+    assert_same_expert_inputs(ea, eb)
+    for x, y in zip(a, b):
+        assert x.texts == y.texts
+        assert x.speculative is None
+        s = y.speculative
+        assert s.num_spec_tokens == 7 and s.steps > 0
+        assert all(d == 7 for d in s.per_step_drafted)
+
+
+def oracle_run(spec, reqs, reference_runs, error_rate):
+    """Run `reqs` on the spec runtime with proposals from the reference generations."""
+    rows = [toks for res in reference_runs for toks in res]
+    width = max(len(t) for t in rows) + 8
+    ref = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, t in enumerate(rows):
+        ref[i, :len(t)] = torch.tensor(t)
+    inner = spec.speculator.proposer
+    spec.speculator.proposer = OracleProposer(inner, ref, error_rate, seed=5)
+    try:
+        return spec.run(reqs)
+    finally:
+        spec.speculator.proposer = inner
+
+
+@pytest.mark.parametrize("k,temperature", [(1, 0.0), (2, 0.7), (3, 0.7)])
+def test_lossless_with_mixed_acceptance(runtimes, k, temperature):
+    base, spec = runtimes
+    reqs = [scene(i, k=k, temperature=temperature, seed=10 + i) for i in range(2)]
+    with ExpertInputs(base) as ea:
+        ref = base.run(reqs)
+    toks = [r.token_ids for r in ref]
+    with ExpertInputs(spec) as eb:
+        got = oracle_run(spec, reqs, toks, error_rate=0.35)
+    assert_same_expert_inputs(ea, eb)
+    for x, y in zip(ref, got):
+        assert x.token_ids == y.token_ids
+        hist = np.bincount(y.speculative.per_step_accepted, minlength=8)
+        assert hist[0] < y.speculative.steps          # some steps accepted drafts
+    all_acc = [a for y in got for a in y.speculative.per_step_accepted]
+    assert len(set(all_acc)) >= 3, all_acc            # ragged acceptance across rows and steps
+
+
+def test_error_rate_for_tau():
+    for tau in (2, 4, 6):
+        e = error_rate_for_tau(tau)
+        assert abs(1 + sum((1 - e) ** i for i in range(1, 8)) - tau) < 1e-6
+
+
+# ---------------------------------------------------------------- head checks, one per refusal
+
+@pytest.fixture
+def base_cfg(ckpt):
+    from worker.model.config import AlpamayoConfig
+    return AlpamayoConfig.from_dir(ckpt)
+
+
+def copy_head(head, tmp_path):
+    d = tmp_path / "h"
+    shutil.copytree(head, d)
+    return d
+
+
+def edit_config(d, fn):
+    c = json.loads((d / "config.json").read_text())
+    fn(c)
+    (d / "config.json").write_text(json.dumps(c))
+
+
+def test_head_ok(head, base_cfg):
+    c = check_head(head, base_cfg)
+    assert c.block_size == 8 and c.num_candidates == 4
+
+
+def test_head_missing_dir(base_cfg, tmp_path):
+    with pytest.raises(HeadError, match=f"NIM_ALPAMAYO_SPECULATIVE_MODEL={tmp_path / 'nope'} does not exist"):
+        check_head(tmp_path / "nope", base_cfg)
+
+
+def test_head_empty_dir(base_cfg, tmp_path):
+    (tmp_path / "e").mkdir()
+    with pytest.raises(HeadError, match=f"NIM_ALPAMAYO_SPECULATIVE_MODEL={tmp_path / 'e'} is empty"):
+        check_head(tmp_path / "e", base_cfg)
+
+
+def test_head_wrong_architecture(head, base_cfg, tmp_path):
+    d = copy_head(head, tmp_path)
+    edit_config(d, lambda c: c.update(architectures=["DFlashDraftModel"]))
+    with pytest.raises(HeadError, match=rf"NIM_ALPAMAYO_SPECULATIVE_MODEL={d} has architectures \['DFlashDraftModel'\]"):
+        check_head(d, base_cfg)
+
+
+def test_head_wrong_projector(head, base_cfg, tmp_path):
+    d = copy_head(head, tmp_path)
+    edit_config(d, lambda c: c["dflash_config"].update(projector_type="linear"))
+    with pytest.raises(HeadError, match=f"NIM_ALPAMAYO_SPECULATIVE_MODEL={d} has dflash_config.projector_type 'linear'"):
+        check_head(d, base_cfg)
+
+
+def test_head_block_size(head, base_cfg, tmp_path):
+    d = copy_head(head, tmp_path)
+    edit_config(d, lambda c: c.update(block_size=16))
+    with pytest.raises(HeadError, match=f"{d} has block_size 16, but 7 speculative tokens need block_size 8"):
+        check_head(d, base_cfg)
+
+
+def test_head_missing_metadata(head, base_cfg, tmp_path):
+    d = copy_head(head, tmp_path)
+    (d / "alpamayo_dflash_metadata.json").unlink()
+    with pytest.raises(HeadError, match=f"{d} has no alpamayo_dflash_metadata.json"):
+        check_head(d, base_cfg)
+
+
+def test_head_empty_hash(head, base_cfg, tmp_path):
+    d = copy_head(head, tmp_path)
+    (d / "alpamayo_dflash_metadata.json").write_text(json.dumps({"base_model_config_sha256": ""}))
+    with pytest.raises(HeadError, match=f"{d} has no base_model_config_sha256"):
+        check_head(d, base_cfg)
+
+
+def test_head_hash_mismatch(head, base_cfg, tmp_path):
+    d = copy_head(head, tmp_path)
+    (d / "alpamayo_dflash_metadata.json").write_text(json.dumps({"base_model_config_sha256": "ab" * 32}))
+    with pytest.raises(HeadError, match=f"{d} was trained for base config sha256 abababab"):
+        check_head(d, base_cfg)
+
+
+def test_head_truncated_shard(head, base_cfg, tmp_path):
+    d = copy_head(head, tmp_path)
+    f = d / "model.safetensors"
+    size = f.stat().st_size
+    f.write_bytes(f.read_bytes()[:size - 100])
+    with pytest.raises(HeadError, match=rf"^NIM_ALPAMAYO_SPECULATIVE_MODEL={d} has a truncated shard model.safetensors: "
+                                        rf"expected {size} bytes, found {size - 100}$"):
+        check_head(d, base_cfg)
+
+
+def test_head_shape_mismatch(head, base_cfg, tmp_path):
+    d = copy_head(head, tmp_path)
+    edit_config(d, lambda c: c.update(hidden_size=c["hidden_size"] * 2))
+    with pytest.raises(HeadError, match=f"{d} has hidden_size"):
+        check_head(d, base_cfg)
+
+
+def test_head_missing_selector(head, base_cfg, tmp_path):
+    from safetensors.torch import load_file, save_file
+    d = copy_head(head, tmp_path)
+    state = load_file(str(d / "model.safetensors"))
+    state = {k: v for k, v in state.items() if not k.startswith("selector.")}
+    save_file(state, str(d / "model.safetensors"))
+    with pytest.raises(HeadError, match=f"{d} lacks the candidate selector"):
+        check_head(d, base_cfg)
