@@ -232,3 +232,72 @@ def test_head_missing_selector(head, base_cfg, tmp_path):
     save_file(state, str(d / "model.safetensors"))
     with pytest.raises(HeadError, match=f"{d} lacks the candidate selector"):
         check_head(d, base_cfg)
+
+
+# ---------------------------------------------------------------- statistical losslessness
+
+def chi2_two_sample(a: list[int], b: list[int]) -> tuple[float, float]:
+    """Two-sample chi-square statistic over the categories seen, and its p=0.001 critical value
+    (Wilson-Hilferty approximation)."""
+    cats = sorted(set(a) | set(b))
+    na, nb = len(a), len(b)
+    stat = 0.0
+    for c in cats:
+        oa, ob = a.count(c), b.count(c)
+        tot = oa + ob
+        ea, eb = tot * na / (na + nb), tot * nb / (na + nb)
+        stat += (oa - ea) ** 2 / ea + (ob - eb) ** 2 / eb
+    dof = max(len(cats) - 1, 1)
+    crit = dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
+    return stat, crit
+
+
+def test_sampled_distribution_matches_baseline(runtimes):
+    """Independent noise (different seeds): DFlash2's sampled tokens cannot be told apart from the
+    baseline's; a biased sampler (greedy) is told apart, so the test has power."""
+    base, spec = runtimes
+    n = 240
+    k_req = scene(3, k=n, temperature=1.0, seed=1)
+    k_req.top_k = 4
+    base.trajectory_max_new = spec.trajectory_max_new = 4
+    try:
+        ref = base.run([k_req])[0]
+        other = scene(3, k=n, temperature=1.0, seed=2)
+        other.top_k = 4
+        got = oracle_run(spec, [other], [ref.token_ids], error_rate=0.0)[0]
+        greedy = scene(3, k=n, temperature=1.0, seed=3)
+        greedy.top_k = 1
+        biased = base.run([greedy])[0]
+    finally:
+        base.trajectory_max_new = spec.trajectory_max_new = 24
+    acc = got.speculative.accepted
+    assert 0 < acc < got.speculative.drafted       # proposals from other noise: some accepted, some not
+    for j in (1, 2, 3):
+        a = [t[j] for t in ref.token_ids if len(t) > j]
+        b = [t[j] for t in got.token_ids if len(t) > j]
+        stat, crit = chi2_two_sample(a, b)
+        assert stat < crit, (j, stat, crit)
+    a = [t[1] for t in ref.token_ids if len(t) > 1]
+    c = [t[1] for t in biased.token_ids if len(t) > 1]
+    stat, crit = chi2_two_sample(a, c)
+    assert stat > crit
+
+
+def test_speculative_block_arithmetic(runtimes):
+    from worker.dflash.metrics import speculative_block
+
+    _, spec = runtimes
+    res = spec.run([scene(4, k=3, temperature=0.8, seed=9)])[0]
+    s = res.speculative
+    for detailed in (False, True):
+        b = speculative_block(s, detailed)
+        assert b["num_spec_tokens"] == 7
+        assert sum(b["acceptance_histogram"]) == b["num_spec_steps"] == s.steps
+        assert sum(i * c for i, c in enumerate(b["acceptance_histogram"])) == b["num_accepted_draft_tokens"]
+        assert b["num_draft_tokens"] == 7 * b["num_spec_steps"]
+        assert b["draft_acceptance_rate"] == pytest.approx(b["num_accepted_draft_tokens"] / b["num_draft_tokens"])
+        assert b["mean_acceptance_length"] == pytest.approx(1 + b["num_accepted_draft_tokens"] / b["num_spec_steps"])
+        assert ("per_step_accepted" in b) == detailed
+    assert len(b["per_step_accepted"]) == b["num_spec_steps"] == len(b["per_step_drafted"])
+    # K = 3: steps of every sample, each sample took at least one verify step
+    assert s.steps >= 3

@@ -1,0 +1,240 @@
+"""Every environment variable the worker reads, parsed once into `Settings`.
+
+Bad configuration raises ConfigError whose message is one line saying what to change; the
+entry points print it and exit 2 before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+PROFILES = ("bf16", "fp8", "bf16-dflash2", "fp8-dflash2")
+SPEC_METRICS = ("summary", "detailed", "none")
+GUARANTEES = ("at_least_once", "exactly_once")
+SECURITY = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+SASL = ("SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN")
+MAX_K = 16
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+class ConfigError(ValueError):
+    """One line: what is wrong and what to change."""
+
+
+def cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """ALPAMAYO_CACHE: where the venv, Kafka jars, demo checkpoint and head are cached."""
+    env = os.environ if env is None else env
+    return Path(env.get("ALPAMAYO_CACHE") or Path.home() / ".cache" / "alpamayo-worker")
+
+
+@dataclass(frozen=True)
+class Settings:
+    # --- model (the seed's variables)
+    profile: str = "bf16"
+    k_values: tuple[int, ...] = (1,)
+    spec_metrics: str = "none"
+    speculative_model: Path | None = None      # custom head (NIM_ALPAMAYO_SPECULATIVE_MODEL)
+    ft_checkpoint: Path | None = None          # NIM_FT_CHECKPOINT; None = embedded demo checkpoint
+    max_model_len: int | None = None
+    device: str | None = None
+    # --- kafka
+    bootstrap_servers: str = "127.0.0.1:9092"
+    request_topic: str = "alpamayo.requests"
+    result_topic: str = "alpamayo.results"
+    dead_letter_topic: str = "alpamayo.dead-letters"
+    group_id: str = "alpamayo-workers"
+    group_instance_id: str | None = None
+    security_protocol: str = "PLAINTEXT"
+    sasl_mechanism: str | None = None
+    sasl_username: str | None = None
+    sasl_password: str | None = field(default=None, repr=False)
+    ssl_cafile: Path | None = None
+    processing_guarantee: str = "at_least_once"
+    # --- batching, limits, process
+    max_batch_size: int = 8
+    max_batch_wait_ms: int = 20
+    max_inflight: int = 64
+    max_request_bytes: int = 128 << 20
+    http_host: str = "0.0.0.0"
+    http_port: int = 8000
+    drain_timeout_s: float = 60.0
+    claim_check_roots: tuple[str, ...] = ()
+    worker_id: str = "worker"
+    cache: Path = field(default_factory=cache_dir)
+    log_level: str = "INFO"
+    # --- test/benchmark knob: reasoning-token cap of trajectory requests (None = the release's 256)
+    max_reasoning_tokens: int | None = None
+
+    @property
+    def precision(self) -> str:
+        return self.profile.split("-")[0]
+
+    @property
+    def speculative(self) -> bool:
+        return self.profile.endswith("-dflash2")
+
+
+def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer: set it to a number in {lo}..{hi}") from None
+    if not lo <= v <= hi:
+        raise ConfigError(f"{name}={v} is out of range: set it to a number in {lo}..{hi}")
+    return v
+
+
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str | None) -> str | None:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    if raw not in choices:
+        raise ConfigError(f"{name}={raw!r} is not valid: use one of {', '.join(choices)}")
+    return raw
+
+
+def _k_values(raw: str | None) -> tuple[int, ...]:
+    if raw is None or raw.strip() == "":
+        return (1,)
+    out = []
+    for part in raw.split(","):
+        part = part.strip()
+        if not re.fullmatch(r"\d+", part) or not 1 <= int(part) <= MAX_K:
+            raise ConfigError(f"NIM_ALPAMAYO_TRAJ_SAMPLES={raw!r}: each entry must be an integer in 1..{MAX_K}, "
+                              f"e.g. NIM_ALPAMAYO_TRAJ_SAMPLES=1,2,3")
+        out.append(int(part))
+    return tuple(sorted(set(out)))
+
+
+def _dir(env: Mapping[str, str], name: str) -> Path | None:
+    raw = env.get(name)
+    return Path(raw) if raw else None
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """Parse the environment. Raises ConfigError (one line) on bad configuration."""
+    env = os.environ if env is None else env
+    profile = _choice(env, "NIM_MODEL_PROFILE", PROFILES, None)
+    precision = _choice(env, "NIM_PRECISION", ("bf16", "fp8"), None)
+    if profile and precision:
+        raise ConfigError(f"NIM_MODEL_PROFILE={profile} and NIM_PRECISION={precision} are both set: "
+                          "unset NIM_PRECISION (it only selects a baseline profile)")
+    profile = profile or precision or "bf16"
+    head = _dir(env, "NIM_ALPAMAYO_SPECULATIVE_MODEL")
+    ft = _dir(env, "NIM_FT_CHECKPOINT")
+    if head and ft:
+        raise ConfigError("NIM_ALPAMAYO_SPECULATIVE_MODEL cannot be combined with NIM_FT_CHECKPOINT: "
+                          "unset one of them")
+    if head and not profile.endswith("-dflash2"):
+        raise ConfigError(f"NIM_ALPAMAYO_SPECULATIVE_MODEL is set but the profile is the baseline {profile}: "
+                          "select NIM_MODEL_PROFILE=bf16-dflash2 or fp8-dflash2 (and unset NIM_PRECISION)")
+    spec_metrics = _choice(env, "NIM_ALPAMAYO_SPEC_METRICS", SPEC_METRICS,
+                           "summary" if profile.endswith("-dflash2") else "none")
+    if not profile.endswith("-dflash2"):
+        spec_metrics = "none"       # baseline profiles never emit the block nor the counters
+    max_len = env.get("NIM_ALPAMAYO_MAX_MODEL_LEN")
+    guarantee = _choice(env, "ALPAMAYO_PROCESSING_GUARANTEE", GUARANTEES, "at_least_once")
+    security = _choice(env, "ALPAMAYO_KAFKA_SECURITY_PROTOCOL", SECURITY, "PLAINTEXT")
+    mechanism = _choice(env, "ALPAMAYO_KAFKA_SASL_MECHANISM", SASL, None)
+    user, password = env.get("ALPAMAYO_KAFKA_SASL_USERNAME"), env.get("ALPAMAYO_KAFKA_SASL_PASSWORD")
+    if security.startswith("SASL"):
+        if not (user and password):
+            raise ConfigError(f"ALPAMAYO_KAFKA_SECURITY_PROTOCOL={security} needs ALPAMAYO_KAFKA_SASL_USERNAME "
+                              "and ALPAMAYO_KAFKA_SASL_PASSWORD")
+        mechanism = mechanism or "SCRAM-SHA-512"
+    cafile = _dir(env, "ALPAMAYO_KAFKA_SSL_CAFILE")
+    if cafile and not cafile.is_file():
+        raise ConfigError(f"ALPAMAYO_KAFKA_SSL_CAFILE={cafile} does not exist: point it at the CA certificate (PEM)")
+    device = _choice(env, "ALPAMAYO_DEVICE", ("cuda", "cpu"), None)
+    host = socket.gethostname()
+    instance = env.get("ALPAMAYO_GROUP_INSTANCE_ID") or None
+    roots = tuple(r for r in (env.get("ALPAMAYO_CLAIM_CHECK_ROOTS") or "").split(",") if r)
+    drain = env.get("ALPAMAYO_DRAIN_TIMEOUT_S")
+    try:
+        drain_s = float(drain) if drain else 60.0
+    except ValueError:
+        raise ConfigError(f"ALPAMAYO_DRAIN_TIMEOUT_S={drain!r} is not a number of seconds") from None
+    for t in ("ALPAMAYO_REQUEST_TOPIC", "ALPAMAYO_RESULT_TOPIC", "ALPAMAYO_DEAD_LETTER_TOPIC"):
+        v = env.get(t)
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", v):
+            raise ConfigError(f"{t}={v!r} is not a valid Kafka topic name: use letters, digits, '.', '_' and '-'")
+    return Settings(
+        profile=profile,
+        k_values=_k_values(env.get("NIM_ALPAMAYO_TRAJ_SAMPLES")),
+        spec_metrics=spec_metrics,
+        speculative_model=head,
+        ft_checkpoint=ft,
+        max_model_len=_int(env, "NIM_ALPAMAYO_MAX_MODEL_LEN", 0, 64, 1 << 20) if max_len else None,
+        device=device,
+        bootstrap_servers=env.get("ALPAMAYO_KAFKA_BOOTSTRAP_SERVERS") or "127.0.0.1:9092",
+        request_topic=env.get("ALPAMAYO_REQUEST_TOPIC") or "alpamayo.requests",
+        result_topic=env.get("ALPAMAYO_RESULT_TOPIC") or "alpamayo.results",
+        dead_letter_topic=env.get("ALPAMAYO_DEAD_LETTER_TOPIC") or "alpamayo.dead-letters",
+        group_id=env.get("ALPAMAYO_GROUP_ID") or "alpamayo-workers",
+        group_instance_id=instance,
+        security_protocol=security,
+        sasl_mechanism=mechanism,
+        sasl_username=user,
+        sasl_password=password,
+        ssl_cafile=cafile,
+        processing_guarantee=guarantee,
+        max_batch_size=_int(env, "ALPAMAYO_MAX_BATCH_SIZE", 8, 1, 256),
+        max_batch_wait_ms=_int(env, "ALPAMAYO_MAX_BATCH_WAIT_MS", 20, 0, 60_000),
+        max_inflight=_int(env, "ALPAMAYO_MAX_INFLIGHT", 64, 1, 100_000),
+        max_request_bytes=_int(env, "ALPAMAYO_MAX_REQUEST_BYTES", 128 << 20, 1024, 1 << 30),
+        http_host=env.get("ALPAMAYO_HTTP_HOST") or "0.0.0.0",
+        http_port=_int(env, "ALPAMAYO_HTTP_PORT", 8000, 0, 65535),
+        drain_timeout_s=drain_s,
+        claim_check_roots=roots,
+        worker_id=instance or env.get("ALPAMAYO_WORKER_ID") or host,
+        cache=cache_dir(env),
+        log_level=_choice(env, "ALPAMAYO_LOG_LEVEL", LOG_LEVELS, "INFO"),
+        max_reasoning_tokens=(_int(env, "ALPAMAYO_MAX_REASONING_TOKENS", 0, 1, 256)
+                              if env.get("ALPAMAYO_MAX_REASONING_TOKENS") else None),
+    )
+
+
+# Documentation of every variable (README's configuration table is generated from this).
+VARIABLES: dict[str, str] = {
+    "NIM_MODEL_PROFILE": "bf16 | fp8 | bf16-dflash2 | fp8-dflash2 (default bf16); not together with NIM_PRECISION",
+    "NIM_PRECISION": "bf16 | fp8: selects the matching baseline profile; never enables DFlash2",
+    "NIM_ALPAMAYO_TRAJ_SAMPLES": "comma list of served K values, each warmed before ready (default 1)",
+    "NIM_ALPAMAYO_SPEC_METRICS": "summary (default on dflash2) | detailed | none",
+    "NIM_ALPAMAYO_SPECULATIVE_MODEL": "custom DFlash2 head directory (dflash2 profiles only; not with NIM_FT_CHECKPOINT)",
+    "NIM_FT_CHECKPOINT": "checkpoint directory to serve (default: the embedded demo checkpoint)",
+    "NIM_ALPAMAYO_MAX_MODEL_LEN": "context limit in tokens (prompt + generated)",
+    "ALPAMAYO_DEVICE": "cuda | cpu (default: cuda when available)",
+    "ALPAMAYO_KAFKA_BOOTSTRAP_SERVERS": "Kafka bootstrap servers (default 127.0.0.1:9092)",
+    "ALPAMAYO_REQUEST_TOPIC": "scene jobs (default alpamayo.requests)",
+    "ALPAMAYO_RESULT_TOPIC": "results, keyed by request_id (default alpamayo.results)",
+    "ALPAMAYO_DEAD_LETTER_TOPIC": "dead letters (default alpamayo.dead-letters)",
+    "ALPAMAYO_GROUP_ID": "consumer group (default alpamayo-workers)",
+    "ALPAMAYO_GROUP_INSTANCE_ID": "static group membership id and transactional id base (e.g. the pod name)",
+    "ALPAMAYO_KAFKA_SECURITY_PROTOCOL": "PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL",
+    "ALPAMAYO_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512 (default with SASL) | SCRAM-SHA-256 | PLAIN",
+    "ALPAMAYO_KAFKA_SASL_USERNAME": "SASL user",
+    "ALPAMAYO_KAFKA_SASL_PASSWORD": "SASL password",
+    "ALPAMAYO_KAFKA_SSL_CAFILE": "CA certificate (PEM) for SSL/SASL_SSL",
+    "ALPAMAYO_PROCESSING_GUARANTEE": "at_least_once (default) | exactly_once (transactions, read_committed)",
+    "ALPAMAYO_MAX_BATCH_SIZE": "most requests in one forward batch (default 8)",
+    "ALPAMAYO_MAX_BATCH_WAIT_MS": "longest a partial batch waits for mates (default 20)",
+    "ALPAMAYO_MAX_INFLIGHT": "requests held before partitions are paused (default 64)",
+    "ALPAMAYO_MAX_REQUEST_BYTES": "largest request message accepted (default 128 MiB)",
+    "ALPAMAYO_HTTP_HOST": "side port bind address (default 0.0.0.0)",
+    "ALPAMAYO_HTTP_PORT": "side port: health, models, metrics (default 8000)",
+    "ALPAMAYO_DRAIN_TIMEOUT_S": "SIGTERM grace: finish, publish and commit within this (default 60)",
+    "ALPAMAYO_CLAIM_CHECK_ROOTS": "comma list of allowed claim-check URI prefixes (file:///data/,...)",
+    "ALPAMAYO_WORKER_ID": "worker id in lineage (default: group instance id or host name)",
+    "ALPAMAYO_LOG_LEVEL": "DEBUG | INFO (default) | WARNING | ERROR",
+    "ALPAMAYO_MAX_REASONING_TOKENS": "test/benchmark knob: reasoning-token cap of trajectory requests, 1..256 "
+                                     "(default: the release's 256)",
+    "ALPAMAYO_CACHE": "cache directory for venv, Kafka jars, demo checkpoint and head (default ~/.cache/alpamayo-worker)",
+}

@@ -1,0 +1,253 @@
+"""Training the DFlash2 head by self-distillation, and the packaged head of the demo model.
+
+Data: the base model's own generations on synthetic trajectory scenes (greedy and sampled), up
+to and including `<|traj_future_start|>` (a draft never trained on the end-of-reasoning token
+stalls there). Target features: the chosen target layers' hidden states of every position of
+prompt + generation, from one teacher-forced forward (the base is frozen).
+
+Objective (public DFlash recipe): random anchors in the generation; block = [token at anchor,
+MASK x 7]; context = features strictly before the anchor; cross-entropy of positions 1..7 against
+the generated tokens, weighted exp(-(k-1)/gamma); plus the candidate selector's cross-entropy over
+the draft's top-C candidates, teacher-forced on the previous true token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from worker.dflash.draft import DraftModel
+from worker.dflash.head import HeadConfig, head_config_for, write_metadata
+
+HEAD_VERSION = 1
+GAMMA = 4.0
+
+
+@dataclass
+class Sequence:
+    hidden: dict[int, torch.Tensor]    # layer -> (L, H) target features (no grad)
+    tokens: torch.Tensor               # (L,) prompt + generated ids
+    rope_delta: int
+    start: int                         # first generated position (prompt length)
+
+
+def collect_sequences(rt, requests, capture: tuple[int, ...]) -> list[Sequence]:
+    """Run the base model on requests, then one teacher-forced forward per generated sample to
+    record the target-layer hidden states of every position."""
+    out: list[Sequence] = []
+    results = []
+    for i in range(0, len(requests), 16):          # batches of one K
+        chunk = requests[i:i + 16]
+        for k in sorted({r.num_samples for r in chunk}):
+            results += [(r, res) for r, res in zip([r for r in chunk if r.num_samples == k],
+                                                   rt.run([r for r in chunk if r.num_samples == k]))]
+    for req, res in results:
+        if res.error is not None:
+            continue
+        p = rt._prepare(req)
+        plen = len(p.input_ids)
+        for toks in res.token_ids:
+            if rt.ids.image_pad in toks:      # a placeholder token would need pixels in a teacher-forced pass
+                continue
+            ids = torch.cat([p.input_ids, torch.tensor(toks, dtype=torch.long)])
+            n = len(toks)
+            pos = torch.cat([p.positions, (torch.arange(plen, plen + n) + p.rope_delta).expand(3, -1)], dim=1)
+            captured: dict[int, torch.Tensor] = {}
+            hooks = [rt.model.language_model.layers[i].register_forward_hook(
+                lambda _m, _i, o, i=i: captured.__setitem__(i, (o[0] if isinstance(o, tuple) else o)[0].detach()))
+                for i in capture]
+            try:
+                with torch.inference_mode():
+                    rt.model.vlm.model(input_ids=ids[None].to(rt.device), pixel_values=p.pixel_values,
+                                       image_grid_thw=p.grid.to(rt.device),
+                                       position_ids=pos[:, None].to(rt.device), use_cache=False)
+            finally:
+                for h in hooks:
+                    h.remove()
+            out.append(Sequence({i: captured[i].float().cpu() for i in capture}, ids, p.rope_delta, plen))
+    return out
+
+
+def init_from_base(draft: DraftModel, base_model) -> None:
+    """Start the draft layers from the base's last decoder layer and the projector from the
+    last target layer's features (identity block)."""
+    src = base_model.language_model.layers[-1]
+    with torch.no_grad():
+        for layer in draft.layers:
+            for name, p in layer.named_parameters():
+                p.copy_(dict(src.named_parameters())[name].float())
+        h = draft.config.hidden_size
+        draft.fc.weight.zero_()
+        draft.fc.weight[:, -h:] = torch.eye(h)
+        draft.norm.weight.copy_(base_model.language_model.norm.weight.float())
+
+
+def _batch_loss(draft: DraftModel, embed, lm_head, seqs: list[Sequence], anchors_per_seq: int,
+                rng: np.random.Generator, banned: torch.Tensor) -> torch.Tensor:
+    c = draft.config
+    n = c.block_size
+    weights = torch.tensor([math.exp(-k / GAMMA) for k in range(n - 1)])
+    losses = []
+    for s in seqs:
+        L = len(s.tokens)
+        gen = L - s.start
+        if gen < 2:
+            continue
+        a = torch.tensor(rng.integers(s.start, L - 1, size=min(anchors_per_seq, gen - 1)))
+        feats = draft.project({i: h[None] for i, h in s.hidden.items()})                 # (1, L, H)
+        ctx = draft.context_kv(feats, torch.arange(L)[None] + s.rope_delta)
+        m = len(a)
+        ctx = [(k.expand(m, -1, -1, -1), v.expand(m, -1, -1, -1)) for k, v in ctx]
+        visible = torch.arange(L)[None, :] < a[:, None]
+        block = torch.full((m, n), c.mask_token_id, dtype=torch.long)
+        block[:, 0] = s.tokens[a]
+        pos = a[:, None] + torch.arange(n) + s.rope_delta
+        h = draft.block_hidden(embed(block).float(), pos, ctx, visible)                   # (m, n, H)
+        tgt_idx = a[:, None] + 1 + torch.arange(n - 1)                                     # (m, 7)
+        valid = tgt_idx < L
+        tgt = s.tokens[tgt_idx.clamp(max=L - 1)]
+        logits = lm_head(h[:, 1:]).float().masked_fill(banned, float("-inf"))            # (m, 7, V)
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none").view(m, -1)
+        w = weights[None, :] * valid
+        losses.append((ce * w).sum() / w.sum())
+        # selector: rescoring the draft's top-C, teacher-forced on the previous true token
+        cand_logits, cand = logits.detach().topk(c.num_candidates, dim=-1)               # (m, 7, C)
+        prev = torch.cat([block[:, :1], tgt[:, :-1]], dim=1)                               # (m, 7)
+        scores = draft.selector.scores(h[:, 1:], embed(prev).float(), embed(cand).float(), cand_logits)
+        hit = cand == tgt[..., None]
+        ok = hit.any(-1) & valid
+        if ok.any():
+            sel = F.cross_entropy(scores[ok], hit[ok].float().argmax(-1))
+            losses.append(0.5 * sel)
+    return torch.stack(losses).mean() if losses else torch.zeros((), requires_grad=True)
+
+
+def train_head(rt, train_requests, head_cfg: HeadConfig, steps: int = 200, lr: float = 2e-3, seed: int = 0,
+               batch: int = 8, anchors_per_seq: int = 16, time_budget_s: float | None = None,
+               progress: bool = False) -> tuple[DraftModel, dict]:
+    """Distil a head for the runtime's base model. Returns (draft, provenance)."""
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    t0 = time.perf_counter()
+    seqs = collect_sequences(rt, train_requests, head_cfg.target_layer_ids)
+    t_data = time.perf_counter() - t0
+    draft = DraftModel(head_cfg).float()
+    init_from_base(draft, rt.model)
+    embed = rt.model.language_model.embed_tokens
+    lm_head = rt.model.lm_head
+    banned = rt._banned_traj.cpu()
+    opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    done = 0
+    loss = torch.zeros(())
+    for step in range(steps):
+        idx = rng.choice(len(seqs), size=min(batch, len(seqs)), replace=False)
+        loss = _batch_loss(draft, embed, lm_head, [seqs[i] for i in idx], anchors_per_seq, rng, banned)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        done = step + 1
+        if progress and step % 25 == 0:
+            print(f"  head step {step:4d}  loss {loss.item():.3f}", flush=True)
+        if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
+            break
+    prov = {"method": "self-distillation", "sequences": len(seqs), "steps": done, "final_loss": float(loss.detach()),
+            "seed": seed, "data_seconds": round(t_data, 1), "train_seconds": round(time.perf_counter() - t0 - t_data, 1)}
+    return draft.eval().requires_grad_(False), prov
+
+
+def measure_acceptance(rt_spec, requests) -> dict:
+    """Held-out acceptance of a speculative runtime (all samples summed)."""
+    steps = drafted = accepted = 0
+    for res in rt_spec.run(requests):
+        if res.speculative is not None:
+            steps += res.speculative.steps
+            drafted += res.speculative.drafted
+            accepted += res.speculative.accepted
+    return {"scenes": len(requests), "verify_steps": steps,
+            "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_acceptance_length": 1 + accepted / steps if steps else 1.0}
+
+
+def demo_requests(seeds, k: int = 1, temperature: float = 0.0):
+    """Trajectory SceneRequests from synthetic scenes."""
+    import io
+
+    from PIL import Image
+
+    from producer_tools.scenes import generate_scene
+    from worker.model.inputs import CAMERA_IDS_BY_NAME
+    from worker.model.runtime import SceneRequest
+
+    out = []
+    for seed in seeds:
+        s = generate_scene(int(seed))
+        frames = np.stack([np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in s.images])
+        out.append(SceneRequest(
+            request_id=s.scene_id, task="trajectory", frames=frames,
+            camera_ids=tuple(CAMERA_IDS_BY_NAME[n] for n in s.camera_order), num_frames=len(frames) // 6,
+            ego_history_xyz=np.asarray(s.ego_history_xyz, np.float32),
+            ego_history_rot=np.asarray(s.ego_history_rot, np.float32),
+            num_samples=k, temperature=temperature, seed=int(seed)))
+    return out
+
+
+def build_demo_head(checkpoint: str | Path, cache_root: str | Path | None = None, seed: int = 0,
+                    force: bool = False, progress: bool = True, train_scenes: int = 96,
+                    eval_scenes: int = 24, steps: int = 240, time_budget_s: float = 150.0) -> Path:
+    """The packaged DFlash2 head of the demo checkpoint, cached next to it (keyed by version and
+    the base config hash). Returns its directory."""
+    from worker.config import cache_dir
+    from worker.dflash.loop import DFlash2Speculator
+    from worker.model.config import AlpamayoConfig
+    from worker.model.runtime import AlpamayoRuntime
+
+    checkpoint = Path(checkpoint)
+    base_cfg = AlpamayoConfig.from_dir(checkpoint)
+    root = Path(cache_root) if cache_root else cache_dir()
+    out = root / f"demo-dflash2-head-v{HEAD_VERSION}-{base_cfg.sha256[:12]}"
+    if (out / "complete").is_file() and not force:
+        return out
+    t0 = time.perf_counter()
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    rt = AlpamayoRuntime.load(checkpoint, device="cpu", dtype=torch.float32)
+    head_cfg = head_config_for(base_cfg, mask_token_id=rt.tok.token_to_id("<|route_pad|>"))
+    rng = np.random.default_rng(seed + 1000)
+    seeds = rng.choice(10_000_000, size=train_scenes + eval_scenes, replace=False) + 50_000_000
+    half = train_scenes // 2
+    train = demo_requests(seeds[:half], k=1, temperature=0.0) + \
+        demo_requests(seeds[half:train_scenes], k=2, temperature=0.6)
+    if progress:
+        print(f"DFlash2 head: distilling from {checkpoint} ({train_scenes} scenes)", flush=True)
+    draft, prov = train_head(rt, train, head_cfg, steps=steps, seed=seed, time_budget_s=time_budget_s,
+                             progress=progress)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    draft.save(tmp)
+    write_metadata(tmp, base_cfg, {"trained_for": str(checkpoint.name), "head_version": HEAD_VERSION,
+                                   "training": prov, "created_at": time.time()})
+    spec = AlpamayoRuntime.load(checkpoint, device="cpu", dtype=torch.float32,
+                                speculator_factory=DFlash2Speculator.factory(str(tmp)))
+    held_out = demo_requests(seeds[train_scenes:], k=1, temperature=0.6)
+    quality = measure_acceptance(spec, held_out)
+    quality["build_seconds"] = round(time.perf_counter() - t0, 1)
+    (tmp / "quality.json").write_text(json.dumps(quality, indent=2))
+    if progress:
+        print(f"DFlash2 head: held-out acceptance rate {quality['draft_acceptance_rate']:.3f}, "
+              f"mean acceptance length {quality['mean_acceptance_length']:.2f} "
+              f"({quality['build_seconds']:.0f} s)", flush=True)
+    (tmp / "complete").write_text("ok\n")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out

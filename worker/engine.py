@@ -1,0 +1,157 @@
+"""The worker's engine: resolves the checkpoint and the DFlash2 head from Settings, checks them
+before loading weights, loads and warms the runtime, runs batches (on the caller's thread; the
+service gives it a thread of its own), and turns runtime results into wire results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from pathlib import Path
+
+from schemas import (AutoLabel, GroundingBox, InferRequest, InferResult, Lineage, MetaAction, ModelIdentity,
+                     ResultMetrics, SampleOutput, SpeculativeDecoding, StageTimings)
+from worker.config import Settings
+from worker.model.runtime import SceneRequest, SceneResult
+
+log = logging.getLogger("alpamayo.engine")
+MODEL_ID = "nvidia/alpamayo-2-super"
+
+
+def resolve_checkpoint(settings: Settings) -> Path:
+    """NIM_FT_CHECKPOINT, or the embedded demo checkpoint (built and cached on first use)."""
+    if settings.ft_checkpoint is not None:
+        return settings.ft_checkpoint
+    from worker.demo.build import build_demo_checkpoint
+
+    return build_demo_checkpoint(cache_root=settings.cache, progress=False)
+
+
+def resolve_head(settings: Settings, checkpoint: Path) -> Path | None:
+    """The custom head (NIM_ALPAMAYO_SPECULATIVE_MODEL) or the packaged one on dflash2 profiles."""
+    if not settings.speculative:
+        return None
+    if settings.speculative_model is not None:
+        return settings.speculative_model
+    from worker.dflash.train import build_demo_head
+
+    return build_demo_head(checkpoint, cache_root=settings.cache, progress=False)
+
+
+def checkpoint_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors.index.json"):
+        f = path / name
+        if f.is_file():
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def default_seed(request_id: str) -> int:
+    """Requests without a seed get one derived from their id: a replay reproduces its result."""
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:7], "big")
+
+
+class Engine:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.runtime = None
+        self.checkpoint: Path | None = None
+        self.head: Path | None = None
+        self.identity: ModelIdentity | None = None
+
+    def prepare(self) -> None:
+        """Resolve and check checkpoint and head without loading weights (raises CheckpointError)."""
+        from worker.dflash.head import check_head
+        from worker.model.checkpoint import validate_layout
+
+        self.checkpoint = resolve_checkpoint(self.settings)
+        cfg, _ = validate_layout(self.checkpoint)
+        self.head = resolve_head(self.settings, self.checkpoint)
+        if self.head is not None:
+            check_head(self.head, cfg)
+
+    def load(self, warmup: bool = True) -> None:
+        import torch
+
+        from worker.dflash.loop import DFlash2Speculator
+        from worker.model.runtime import AlpamayoRuntime
+
+        if self.checkpoint is None:
+            self.prepare()
+        t0 = time.perf_counter()
+        factory = DFlash2Speculator.factory(str(self.head)) if self.head is not None else None
+        self.runtime = AlpamayoRuntime.load(self.checkpoint, device=self.settings.device,
+                                            precision=self.settings.precision, speculator_factory=factory,
+                                            max_model_len=self.settings.max_model_len)
+        self.identity = ModelIdentity(
+            id=MODEL_ID, profile=self.settings.profile, precision=self.settings.precision,
+            checkpoint_hash=checkpoint_hash(self.checkpoint),
+            speculative_decoding="dflash2" if self.head is not None else None,
+            speculative_model=str(self.head) if self.head is not None else None)
+        log.info("loaded %s (%s) on %s in %.1fs", self.checkpoint, self.settings.profile, self.runtime.device,
+                 time.perf_counter() - t0)
+        if warmup:
+            t0 = time.perf_counter()
+            self.runtime.warmup(list(self.settings.k_values))
+            log.info("warmed K=%s in %.1fs", list(self.settings.k_values), time.perf_counter() - t0)
+        del torch
+
+    def infer(self, batch: list[SceneRequest]) -> list[SceneResult]:
+        return self.runtime.run(batch)
+
+    def models_payload(self) -> dict:
+        s = self.settings
+        return {"object": "list", "data": [{
+            "id": MODEL_ID, "object": "model", "profile": s.profile, "precision": s.precision,
+            "speculative_decoding": "dflash2" if self.head is not None else None,
+            "speculative_model": str(self.head) if self.head is not None else None,
+            "k_values": list(s.k_values), "checkpoint": str(self.checkpoint),
+            "checkpoint_hash": self.identity.checkpoint_hash if self.identity else None,
+            "max_inflight": s.max_inflight, "max_request_bytes": s.max_request_bytes,
+            "max_model_len": s.max_model_len, "action_expert_max_batch_size": s.max_batch_size * max(s.k_values),
+            "default_seed": "sha256(request_id)",
+        }]}
+
+    def to_result(self, req: InferRequest, res: SceneResult, lineage: Lineage | None, queue_ms: float,
+                  total_ms: float, warnings: list[str] = ()) -> InferResult:
+        """Wire result of one request. Raises ValueError on non-finite model output."""
+        import math
+
+        from worker.dflash.metrics import speculative_block
+
+        spec = None
+        if res.speculative is not None and self.settings.spec_metrics != "none":
+            spec = SpeculativeDecoding(**speculative_block(res.speculative, self.settings.spec_metrics == "detailed"))
+        trajectories = rotations = None
+        if res.trajectories is not None:
+            if not (bool((abs(res.trajectories) < 1e6).all()) and bool((abs(res.rotations) <= 1.0001).all())):
+                raise ValueError("the model produced a non-finite trajectory")
+            trajectories = res.trajectories.tolist()
+            rotations = res.rotations.tolist()
+        outputs = []
+        for o in res.outputs:
+            mf = o.meta_action_fields
+            outputs.append(SampleOutput(
+                text=o.text, cot=o.cot,
+                meta_action=MetaAction(**mf) if mf else None,
+                auto_label=AutoLabel(**o.auto_label) if o.auto_label else None,
+                boxes=[GroundingBox(bbox_2d=[float(v) for v in b["bbox_2d"]], label=b.get("label"))
+                       for b in o.boxes] if o.boxes is not None else None))
+        t = res.timings_ms
+        timings = StageTimings(queue_ms=queue_ms, image_prep_ms=t.get("image_prep", 0.0),
+                               prefill_ms=t.get("prefill", 0.0), decode_ms=t.get("decode", 0.0),
+                               diffusion_ms=t.get("diffusion", 0.0), total_ms=total_ms)
+        reasoning = [o.cot if o.cot is not None else o.text for o in res.outputs]
+        if any(not math.isfinite(v) for v in (queue_ms, total_ms)):
+            raise ValueError("non-finite timing")
+        return InferResult(
+            request_id=req.request_id, run_id=req.run_id, task=req.task, labels=dict(req.labels),
+            num_samples=len(res.outputs), pred_trajectories=trajectories, pred_rotations=rotations,
+            answer=res.outputs[0].answer if res.outputs and req.task in ("vqa", "grounding") else None,
+            outputs=outputs,
+            metrics=ResultMetrics(reasoning_texts=reasoning, generated_tokens=list(res.generated_tokens),
+                                  timings=timings, speculative_decoding=spec),
+            warnings=list(warnings) + list(res.warnings) + [o.warning for o in res.outputs if o.warning],
+            model=self.identity, lineage=lineage, completed_at=time.time())
