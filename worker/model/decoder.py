@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -76,8 +75,22 @@ def qkv(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Grouped-query attention. q (B, Hq, T, D); k, v (B, Hkv, S, D); mask (B, 1, T, S) bool."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    """Grouped-query attention for few queries over a long cache, reading each K/V head once.
+
+    q (B, Hq, T, D); k, v (B, Hkv, S, D); mask (B, 1, T, S) bool (True = attend).
+    Query head h uses KV head h // (Hq / Hkv), as transformers' repeat_kv does. Scores and
+    softmax in fp32.
+    """
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qg = q.reshape(b, hkv, g * t, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (d ** -0.5)       # (B, Hkv, G*T, S)
+    m = mask.expand(b, 1, t, s)
+    if g > 1:
+        m = m[:, :, None].expand(b, 1, g, t, s).reshape(b, 1, g * t, s)
+    probs = torch.softmax(scores.masked_fill(~m, float("-inf")), dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(b, hq, t, d)
 
 
 @dataclass

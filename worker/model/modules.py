@@ -28,6 +28,7 @@ def _text_config(d: dict):
 
     d = dict(d)
     d.setdefault("model_type", "qwen3_vl_text")
+    d["dtype"] = torch.get_default_dtype()        # build in the caller's dtype, whatever config.json says
     return AutoConfig.for_model(**d)
 
 
@@ -37,6 +38,8 @@ def build_vlm_config(cfg: AlpamayoConfig):
     d = dict(cfg.vlm_config)
     d.setdefault("model_type", "qwen3_vl")
     conf = AutoConfig.for_model(**d)
+    for c in (conf, conf.text_config, conf.vision_config):
+        c.dtype = torch.get_default_dtype()
     conf._attn_implementation = "sdpa"
     conf.text_config._attn_implementation = "sdpa"
     conf.vision_config._attn_implementation = "sdpa"
