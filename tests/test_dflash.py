@@ -14,7 +14,7 @@ from worker.dflash.loop import DFlash2Speculator
 from worker.dflash.oracle import OracleProposer, error_rate_for_tau
 from worker.model.runtime import AlpamayoRuntime
 
-from tests.test_model_runtime import scene
+from tests.test_model_runtime import ExpertInputs, assert_same_expert_inputs, scene
 
 
 @pytest.fixture(scope="module")
@@ -45,33 +45,6 @@ def runtimes(ckpt, head):
     for r in (base, spec):
         r.trajectory_max_new = 24
     return base, spec
-
-
-class ExpertInputs:
-    """Records what the action expert is given: the verified terminal positions and the K/V
-    it may see (cache columns < offset)."""
-
-    def __init__(self, rt):
-        self.rt, self.seen = rt, []
-
-    def __enter__(self):
-        orig = self.rt.expert.sample
-
-        def wrapped(cache, offset, rope_delta, keys, steps=10):
-            self.seen.append((offset.clone(), [cache.k[:, r, :, :int(o)].clone() for r, o in enumerate(offset)]))
-            return orig(cache, offset, rope_delta, keys, steps)
-        self.rt.expert.sample = wrapped
-        return self
-
-    def __exit__(self, *exc):
-        del self.rt.expert.sample
-
-
-def assert_same_expert_inputs(a: ExpertInputs, b: ExpertInputs):
-    for (oa, ka), (ob, kb) in zip(a.seen, b.seen, strict=True):
-        assert torch.equal(oa, ob)                       # same verified terminal positions
-        for x, y in zip(ka, kb):
-            assert (x - y).abs().max() < 1e-5            # same K/V up to fp32 rounding
 
 
 def test_random_head_is_lossless_and_counts(runtimes):

@@ -58,9 +58,10 @@ class DFlash2Speculator:
         return make
 
     # ---------------------------------------------------------------- runtime hooks
-    def begin(self, rows: int, capacity: int) -> None:
+    def begin(self, rows: int, capacity: int, persistent: bool = False, graphs=None) -> None:
         dev = self.draft.fc.weight.device
-        self.proposer.begin(rows, capacity, dev, self.dtype)
+        self.proposer.graphs = graphs
+        self.proposer.begin(rows, capacity, dev, self.dtype, persistent=persistent)
 
     def load_context(self, rows: slice, hidden: dict[int, torch.Tensor], rope_delta: int) -> None:
         dev = self.draft.fc.weight.device
@@ -85,8 +86,8 @@ class DFlash2Speculator:
             fresh = active & ~batch.finishing
             proposals = self.proposer.propose(batch)
             block = torch.cat([batch.next_token[:, None], proposals], dim=1)               # (B, 8)
-            out = decoder.forward(block, batch.lengths, batch.rope_delta, batch.cache,
-                                  context_len=int(batch.lengths.max()) + n_spec + 1, capture=self.target_layer_ids)
+            out = decoder.step(block, batch.lengths, batch.rope_delta, batch.cache,
+                               context_len=int(batch.lengths.max()) + n_spec + 1, capture=self.target_layer_ids)
             batch.steps += 1
             self.proposer.write_context(out.hidden, batch.lengths, batch.rope_delta)
             tokens = sample(batch.mask_logits(out.logits), batch.params, batch.lengths[:, None] + 1 + ar)  # (B, 8)
@@ -99,8 +100,6 @@ class DFlash2Speculator:
             # record committed tokens
             for i in range(n_spec + 1):
                 take = fresh & (i < m)
-                if not bool(take.any()):
-                    break
                 idx = (batch.n_generated + i).clamp(max=batch.generated.shape[1] - 1)[:, None]
                 cur = batch.generated.gather(1, idx)[:, 0]
                 batch.generated.scatter_(1, idx, torch.where(take, commit[:, i], cur)[:, None])

@@ -23,12 +23,19 @@ class Proposer:
         self.num_candidates = c.num_candidates
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        self.graphs = None          # GraphCache shared with the runtime (CUDA)
+        self.persistent = False     # context caches kept across batches (graph replay needs fixed addresses)
 
-    def begin(self, rows: int, capacity: int, device, dtype) -> None:
+    def begin(self, rows: int, capacity: int, device, dtype, persistent: bool = False) -> None:
         c = self.draft.config
         shape = (rows, c.num_key_value_heads, capacity, c.head_dim)
+        if persistent and self.persistent and self.k and tuple(self.k[0].shape) == shape:
+            return
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(c.num_hidden_layers)]
+        if persistent and self.graphs is not None:
+            self.graphs.clear()          # addresses changed: recapture
+        self.persistent = persistent
 
     @torch.inference_mode()
     def write_context(self, hidden: dict[int, torch.Tensor], start: torch.Tensor, rope_delta: torch.Tensor,
@@ -50,18 +57,27 @@ class Proposer:
                 self.k[layer][:b].scatter_(2, idx, k.to(self.k[layer].dtype))
                 self.v[layer][:b].scatter_(2, idx, v.to(self.v[layer].dtype))
 
-    @torch.inference_mode()
     def propose(self, batch) -> torch.Tensor:
         """DecodeBatch -> proposals (B, 7) for the positions after each row's next_token (the last
-        committed token, not yet in the cache, at position lengths)."""
-        next_token, lengths, rope_delta, banned = batch.next_token, batch.lengths, batch.rope_delta, batch.banned
+        committed token, not yet in the cache, at position lengths). A CUDA graph per rows bucket
+        over the persistent context caches when graphs are on."""
+        banned = batch.banned
+        if self.persistent and self.graphs is not None and self.graphs.enabled:
+            cap = self.k[0].shape[2]
+            return self.graphs.run(("draft", batch.rows, id(banned)),
+                                   lambda t, n, d: self._propose(t, n, d, banned, cap),
+                                   batch.next_token, batch.lengths, batch.rope_delta)
+        return self._propose(batch.next_token, batch.lengths, batch.rope_delta, banned, int(batch.lengths.max()))
+
+    @torch.inference_mode()
+    def _propose(self, next_token: torch.Tensor, lengths: torch.Tensor, rope_delta: torch.Tensor,
+                 banned: torch.Tensor, s: int) -> torch.Tensor:
         b = next_token.shape[0]
         dev = next_token.device
         n = self.block_size
         block = torch.full((b, n), self.mask_token_id, dtype=torch.long, device=dev)
         block[:, 0] = next_token
         positions = lengths[:, None] + torch.arange(n, device=dev) + rope_delta[:, None]
-        s = int(lengths.max())
         ctx = [(k[:b, :, :s], v[:b, :, :s]) for k, v in zip(self.k, self.v)]
         visible = torch.arange(s, device=dev)[None, :] < lengths[:, None]
         emb = self.embed(block).to(self.k[0].dtype)

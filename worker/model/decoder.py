@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from worker.model.graphs import GraphCache
+
 
 class StaticKVCache:
     """K/V of every layer: (layers, rows, Hkv, L, D). Row r holds positions [0, length[r])."""
@@ -112,6 +114,18 @@ class TextDecoder:
         rotary = language_model.rotary_emb
         self.inv_freq = rotary.inv_freq
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        self.graphs = GraphCache(enabled=False)
+        self.persistent: StaticKVCache | None = None     # the cache graphs are captured over
+
+    def step(self, input_ids: torch.Tensor, start: torch.Tensor, rope_delta: torch.Tensor, cache: StaticKVCache,
+             context_len: int, capture: tuple[int, ...] = ()) -> StepOutput:
+        """`forward`, replayed as a CUDA graph per (rows, T, capture) over the persistent cache
+        (attending over its whole capacity, masked) when graphs are on; eager otherwise."""
+        if self.graphs.enabled and cache is self.persistent:
+            key = ("decode", tuple(input_ids.shape), capture)
+            return self.graphs.run(
+                key, lambda i, s, d: self.forward(i, s, d, cache, cache.capacity, capture), input_ids, start, rope_delta)
+        return self.forward(input_ids, start, rope_delta, cache, context_len, capture)
 
     def new_cache(self, rows: int, capacity: int, dtype: torch.dtype, device) -> StaticKVCache:
         return StaticKVCache(self.num_layers, rows, self.kv_heads, capacity, self.head_dim, dtype, device)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from worker.model.decoder import StaticKVCache, attend, qkv, rope_cos_sin
+from worker.model.graphs import GraphCache
 from worker.model.modules import ExpertModel
 from worker.model.sampling import normal
 
@@ -55,18 +56,27 @@ class ActionExpert:
         h = self.m.expert.norm(h)
         return self.m.action_out_proj(h).float()
 
+    def integrate(self, x: torch.Tensor, cache: StaticKVCache, offset: torch.Tensor, rope_delta: torch.Tensor,
+                  context_len: int, steps: int) -> torch.Tensor:
+        """Euler steps from noise x (R, W, 2) at t=0 to the action at t=1."""
+        r = x.shape[0]
+        ts = torch.linspace(0, 1, steps + 1).tolist()
+        for i in range(steps):
+            t = torch.full((r, 1, 1), ts[i], device=x.device)
+            x = x + (ts[i + 1] - ts[i]) * self.velocity(x, t, cache, offset, rope_delta, context_len)
+        return x
+
     @torch.inference_mode()
     def sample(self, cache: StaticKVCache, offset: torch.Tensor, rope_delta: torch.Tensor,
-               keys: torch.Tensor, steps: int = 10) -> torch.Tensor:
-        """Euler flow matching from seeded noise. keys (R,) int64 per-sample noise keys.
+               keys: torch.Tensor, steps: int = 10, graphs: GraphCache | None = None) -> torch.Tensor:
+        """Flow matching from seeded noise; keys (R,) int64 per-sample noise keys.
 
-        Returns the normalised action (R, W, 2) fp32.
+        With `graphs` (over the persistent cache) the whole loop replays as one CUDA graph per
+        rows bucket, attending over the cache capacity (masked). Returns the action (R, W, 2) fp32.
         """
-        r = offset.shape[0]
-        context_len = int(offset.max())
         x = normal(keys, (self.num_waypoints, 2)).to(offset.device)
-        ts = torch.linspace(0, 1, steps + 1)
-        for i in range(steps):
-            t = torch.full((r, 1, 1), float(ts[i]), device=x.device)
-            x = x + float(ts[i + 1] - ts[i]) * self.velocity(x, t, cache, offset, rope_delta, context_len)
-        return x
+        if graphs is not None and graphs.enabled:
+            return graphs.run(("expert", x.shape[0], steps),
+                              lambda x_, o, d: self.integrate(x_, cache, o, d, cache.capacity, steps),
+                              x, offset, rope_delta).clone()
+        return self.integrate(x, cache, offset, rope_delta, int(offset.max()), steps)

@@ -57,8 +57,10 @@ class DecodeBatch:
 
 def start_batch(cache: StaticKVCache, prompt_lengths: torch.Tensor, first_logits: torch.Tensor,
                 rope_delta: torch.Tensor, params: SamplingParams, banned: torch.Tensor,
-                terminal: torch.Tensor, max_new: torch.Tensor) -> DecodeBatch:
-    """Sample each row's first token from its prefill logits (R, V) at position prompt_length."""
+                terminal: torch.Tensor, max_new: torch.Tensor, real_rows: int | None = None) -> DecodeBatch:
+    """Sample each row's first token from its prefill logits (R, V) at position prompt_length.
+
+    Rows from `real_rows` on are padding (to a CUDA-graph bucket): done from the start."""
     r = prompt_lengths.shape[0]
     dev = prompt_lengths.device
     first_logits = first_logits.masked_fill(banned, float("-inf"))
@@ -73,6 +75,8 @@ def start_batch(cache: StaticKVCache, prompt_lengths: torch.Tensor, first_logits
         per_row_steps=torch.zeros(r, dtype=torch.long, device=dev),
     )
     batch.append(torch.ones(r, dtype=torch.bool, device=dev), first)
+    if real_rows is not None and real_rows < r:
+        batch.done[real_rows:] = True
     return batch
 
 
@@ -81,8 +85,8 @@ def baseline_decode(decoder: TextDecoder, batch: DecodeBatch) -> DecodeBatch:
     """One token per step until every row is done."""
     while not bool(batch.done.all()):
         active = ~batch.done
-        out = decoder.forward(batch.next_token[:, None], batch.lengths, batch.rope_delta, batch.cache,
-                              context_len=int(batch.lengths.max()) + 1)
+        out = decoder.step(batch.next_token[:, None], batch.lengths, batch.rope_delta, batch.cache,
+                           context_len=int(batch.lengths.max()) + 1)
         batch.steps += 1
         batch.per_row_steps += active.long()
         batch.lengths += active.long()

@@ -25,6 +25,7 @@ from worker.model.config import AlpamayoConfig, TokenIds
 from worker.model.decoder import TextDecoder
 from worker.model.expert import ActionExpert
 from worker.model.generate import baseline_decode, start_batch
+from worker.model.graphs import GraphCache, bucket
 from worker.model.inputs import TASKS_WITH_HISTORY, ImageProcessing, PromptBuilder, PromptSpec, mrope_positions
 from worker.model.sampling import SamplingParams, sample_key
 from worker.model.tokenizer import load_tokenizer
@@ -146,6 +147,8 @@ class AlpamayoRuntime:
         self.speculator = speculator
         self.max_model_len = max_model_len
         self.share_prefill = True
+        self.graphs = GraphCache(enabled=False)
+        self.max_rows, self.capacity = 0, 0
         self.trajectory_max_new = TRAJECTORY_MAX_NEW   # reasoning cap (the release's 256)
         self.decoder = TextDecoder(model.language_model, model.lm_head)
         self.expert = ActionExpert(model.expert, cfg.action_space.n_waypoints)
@@ -279,14 +282,16 @@ class AlpamayoRuntime:
         dev = self.device
         speculate = self.speculator is not None and task == "trajectory"
         capture = tuple(self.speculator.target_layer_ids) if speculate else ()
-        rows = len(ok) * k
+        real = len(ok) * k
         plens = [len(p.input_ids) for p in ok]
         block = self.speculator.block_size if speculate else 1
-        capacity = max(pl + mn for pl, mn in zip(plens, max_new)) + block + 1
-        cache = self.decoder.new_cache(rows, capacity, self.dtype, dev)
+        need = max(pl + mn for pl, mn in zip(plens, max_new)) + block + 1
+        cache, rows = self._cache_for(real, need)
         if speculate:
-            self.speculator.begin(rows, capacity)
-        first_logits = torch.empty(rows, self.model.lm_head.out_features, device=dev)
+            persistent = cache is self.decoder.persistent
+            self.speculator.begin(cache.rows if persistent else rows, cache.capacity, persistent=persistent,
+                                  graphs=self.graphs)
+        first_logits = torch.zeros(rows, self.model.lm_head.out_features, device=dev)
         prefill_ms = []
         for s, p in enumerate(ok):
             with _Clock(dev) as c:
@@ -301,12 +306,16 @@ class AlpamayoRuntime:
                         self.speculator.load_context(rows_, hidden, p.rope_delta)
                     del layer_kv
             prefill_ms.append(c.ms)
-        rep = lambda xs: torch.tensor([x for x in xs for _ in range(k)], dtype=torch.long, device=dev)  # noqa: E731
+        pad = rows - real
+
+        def rep(xs, fill=0, dtype=torch.long):      # per scene -> per row (K each), padded rows last
+            return torch.tensor([x for x in xs for _ in range(k)] + [fill] * pad, dtype=dtype, device=dev)
+
         params = SamplingParams(
-            key=torch.tensor([sample_key(p.req.seed, j) for p in ok for j in range(k)], dtype=torch.long,
-                             device=dev),
-            temperature=torch.tensor([p.req.temperature for p in ok for _ in range(k)], device=dev),
-            top_p=torch.tensor([p.req.top_p for p in ok for _ in range(k)], device=dev),
+            key=torch.tensor([sample_key(p.req.seed, j) for p in ok for j in range(k)] + [0] * pad,
+                             dtype=torch.long, device=dev),
+            temperature=rep([p.req.temperature for p in ok], 0.0, torch.float32),
+            top_p=rep([p.req.top_p for p in ok], 1.0, torch.float32),
             top_k=rep([p.req.top_k or 0 for p in ok]),
         )
         ids = self.ids
@@ -318,7 +327,7 @@ class AlpamayoRuntime:
             banned, terminal = self._banned_text, [ids.im_end, ids.endoftext]
         with _Clock(dev) as c_decode:
             batch = start_batch(cache, rep(plens), first_logits, rep([p.rope_delta for p in ok]), params, banned,
-                                torch.tensor(terminal, device=dev), rep(max_new))
+                                torch.tensor(terminal, device=dev), rep(max_new, 1), real_rows=real)
             if speculate:
                 batch, spec_rows = self.speculator.decode(self.decoder, batch)
             else:
@@ -330,7 +339,8 @@ class AlpamayoRuntime:
                 hist_xyz = torch.cat([p.hist_xyz for p in ok]).repeat_interleave(k, 0)
                 hist_rot = torch.cat([p.hist_rot for p in ok]).repeat_interleave(k, 0)
                 action = self.expert.sample(cache, batch.lengths, batch.rope_delta, params.key,
-                                            self.cfg.diffusion.num_inference_steps)
+                                            self.cfg.diffusion.num_inference_steps,
+                                            graphs=self.graphs if cache is self.decoder.persistent else None)[:real]
                 xyz, rot = action_to_trajectory(action.cpu(), hist_xyz, hist_rot, self.cfg.action_space)
                 trajectories, rotations = xyz.numpy(), rot.numpy()
             diffusion_ms = c_diff.ms
@@ -357,6 +367,26 @@ class AlpamayoRuntime:
                 res.speculative = self.speculator.merge_stats(spec_rows[s * k:(s + 1) * k])
             res.timings_ms = {"image_prep": p.image_prep_ms, "prefill": prefill_ms[s],
                               "decode": c_decode.ms, "diffusion": diffusion_ms}
+
+    def _cache_for(self, real_rows: int, need: int):
+        """(cache, rows): the persistent cache (rows padded to a graph bucket) when CUDA graphs are
+        on and the batch fits it; otherwise a fresh cache of exactly this batch."""
+        if self.graphs.enabled and real_rows <= self.max_rows and need <= self.capacity:
+            if self.decoder.persistent is None:
+                self.decoder.persistent = self.decoder.new_cache(self.max_rows, self.capacity, self.dtype,
+                                                                 self.device)
+            return self.decoder.persistent, bucket(real_rows, self.max_rows)
+        return self.decoder.new_cache(real_rows, need, self.dtype, self.device), real_rows
+
+    def enable_graphs(self, max_rows: int, capacity: int) -> None:
+        """CUDA graphs per (rows bucket, T) for decode/verify, the draft pass and the expert loop,
+        over one persistent cache of max_rows x capacity (captured at warm-up)."""
+        if self.device.type != "cuda":
+            return
+        self.max_rows, self.capacity = max_rows, capacity
+        self.graphs = GraphCache(enabled=True)
+        self.decoder.graphs = self.graphs
+        self.decoder.persistent = None
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self, k_values: list[int], image_size: tuple[int, int] = (64, 64)) -> None:
