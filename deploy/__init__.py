@@ -1,0 +1,1 @@
+"""Deployment artefacts; deploy.local runs a local Apache Kafka for development and tests."""

@@ -1,0 +1,1 @@
+"""Local Apache Kafka (KRaft) from Maven Central jars: see cluster.py."""
