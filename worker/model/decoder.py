@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from worker.model.graphs import GraphCache
@@ -95,6 +96,39 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return torch.matmul(probs, v).reshape(b, hq, t, d)
 
 
+def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """transformers' Qwen3 RMSNorm (normalise in fp32, cast back, then scale) with a fused kernel."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _fuse(mods: list[nn.Module]) -> nn.Module | None:
+    """One projection whose output is the concatenation of `mods`' outputs; the original
+    modules' weights become views into it (no extra memory). None if they cannot be fused."""
+    from worker.model.fp8 import Fp8Linear
+
+    if all(type(m) is nn.Linear and m.bias is None for m in mods):
+        w = torch.cat([m.weight.data for m in mods])
+        fused = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+        fused.weight = nn.Parameter(w, requires_grad=False)
+        off = 0
+        for m in mods:
+            n = m.weight.shape[0]
+            m.weight = nn.Parameter(w[off:off + n], requires_grad=False)
+            off += n
+        return fused
+    if all(isinstance(m, Fp8Linear) and m.bias is None for m in mods):
+        fused = Fp8Linear.from_parts(torch.cat([m.weight for m in mods]), torch.cat([m.weight_scale for m in mods]),
+                                     mods[0].compute_dtype)
+        off = 0
+        for m in mods:
+            n = m.weight.shape[0]
+            m.weight, m.weight_scale = fused.weight[off:off + n], fused.weight_scale[off:off + n]
+            off += n
+        return fused
+    return None
+
+
 @dataclass
 class StepOutput:
     logits: torch.Tensor                 # (B, T, V) fp32
@@ -116,12 +150,24 @@ class TextDecoder:
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
         self.graphs = GraphCache(enabled=False)
         self.persistent: StaticKVCache | None = None     # the cache graphs are captured over
+        self.fuse()
+
+    def fuse(self) -> None:
+        """Fuse q/k/v and gate/up projections per layer (fewer, larger matrix-vector products in
+        decode). Call again after swapping weights (e.g. fp8 quantisation)."""
+        self._fused = []
+        for layer in self.lm.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv = _fuse([a.q_proj, a.k_proj, a.v_proj])
+            gate_up = _fuse([m.gate_proj, m.up_proj])
+            sizes = (a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features)
+            self._fused.append((qkv, gate_up, sizes))
 
     def step(self, input_ids: torch.Tensor, start: torch.Tensor, rope_delta: torch.Tensor, cache: StaticKVCache,
              context_len: int, capture: tuple[int, ...] = ()) -> StepOutput:
         """`forward`, replayed as a CUDA graph per (rows, T, capture) over the persistent cache
         (attending over its whole capacity, masked) when graphs are on; eager otherwise."""
-        if self.graphs.enabled and cache is self.persistent:
+        if cache is self.persistent:
             key = ("decode", tuple(input_ids.shape), capture)
             return self.graphs.run(
                 key, lambda i, s, d: self.forward(i, s, d, cache, cache.capacity, capture), input_ids, start, rope_delta)
@@ -150,17 +196,30 @@ class TextDecoder:
         idx = write[:, None, :, None].expand(b, self.kv_heads, t, self.head_dim)
         h = self.lm.embed_tokens(input_ids).to(cache.k.dtype)
         hidden: dict[int, torch.Tensor] = {}
+        d = self.head_dim
         for i, layer in enumerate(self.lm.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q, k, v = qkv(attn, x, cos, sin, self.head_dim)
+            attn, mlp = layer.self_attn, layer.mlp
+            fused_qkv, fused_gate_up, sizes = self._fused[i]
+            x = rms_norm(h, layer.input_layernorm)
+            if fused_qkv is not None:
+                q, k, v = fused_qkv(x).split(sizes, dim=-1)
+            else:
+                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            q = apply_rope(rms_norm(q.view(b, t, -1, d), attn.q_norm).transpose(1, 2), cos, sin)
+            k = apply_rope(rms_norm(k.view(b, t, -1, d), attn.k_norm).transpose(1, 2), cos, sin)
+            v = v.view(b, t, -1, d).transpose(1, 2)
             ck, cv = cache.k[i, :b], cache.v[i, :b]
             ck.scatter_(2, idx, k.to(ck.dtype))
             cv.scatter_(2, idx, v.to(cv.dtype))
             o = attend(q, ck[:, :, :context_len], cv[:, :, :context_len], mask)
             h = h + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            x = rms_norm(h, layer.post_attention_layernorm)
+            if fused_gate_up is not None:
+                g, u = fused_gate_up(x).chunk(2, dim=-1)
+            else:
+                g, u = mlp.gate_proj(x), mlp.up_proj(x)
+            h = h + mlp.down_proj(F.silu(g) * u)
             if i in capture:
                 hidden[i] = h
-        logits = self.lm_head(self.lm.norm(h)).float()
+        logits = self.lm_head(rms_norm(h, self.lm.norm)).float()
         return StepOutput(logits=logits, hidden=hidden)

@@ -34,6 +34,19 @@ class Fp8Linear(nn.Module):
         self.compute_dtype = linear.weight.dtype
         self.fast = _has_fp8_mm(w.device) and self.in_features % 16 == 0 and self.out_features % 16 == 0
 
+    @classmethod
+    def from_parts(cls, weight: torch.Tensor, scale: torch.Tensor, compute_dtype: torch.dtype) -> "Fp8Linear":
+        """An Fp8Linear over existing e4m3 weights (out, in) and scales (out,)."""
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.register_buffer("weight", weight)
+        m.register_buffer("weight_scale", scale)
+        m.bias = None
+        m.out_features, m.in_features = weight.shape
+        m.compute_dtype = compute_dtype
+        m.fast = _has_fp8_mm(weight.device) and m.in_features % 16 == 0 and m.out_features % 16 == 0
+        return m
+
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.weight.to(torch.float32) * self.weight_scale[:, None]).to(dtype)
 

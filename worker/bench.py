@@ -1,0 +1,400 @@
+"""Side-by-side benchmark: `python -m worker.bench [--shape 32b|tiny] [--out FILE]`.
+
+One run measures, on the same weights and in the same process:
+  floors      device copy bandwidth, bf16 matmul rate, weight bytes streamed per decode step
+  HF          transformers `generate` (eager dynamic cache, and static cache)
+  engine      baseline decode step, verify(8) step, draft pass (CUDA graphs, persistent cache),
+              baseline and DFlash2 reasoning loops (oracle proposals at tau = 2, 4, 6: the draft
+              network runs, its proposals come from a recorded baseline generation with errors
+              injected), at several batch sizes; fp8 decode step
+  end to end  one scene, K = 1 and K = 3, split into image prep, prefill, reasoning, diffusion
+Random weights make acceptance meaningless, hence the oracle; the demo checkpoint's real
+acceptance is measured separately (`--demo CHECKPOINT --head HEAD`). Imports no Kafka library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from worker.demo.layout import Dims
+
+SHAPES = {
+    # the real model: Qwen3-VL-32B text stack, 27-block vision tower, 64 x 1536 expert
+    "32b": dict(hidden=5120, intermediate=25600, layers=64, heads=64, kv_heads=8, head_dim=128,
+                expert_hidden=1536, expert_intermediate=6144, expert_heads=16, vision_hidden=1152,
+                vision_intermediate=4304, vision_depth=27, vision_heads=16, deepstack=(8, 16, 24),
+                in_proj_hidden=512, min_pixels=163840, max_pixels=196608),
+    "mid": dict(hidden=1024, intermediate=2816, layers=8, heads=16, kv_heads=4, head_dim=64, expert_hidden=512,
+                expert_intermediate=1024, expert_heads=8, vision_hidden=128, vision_intermediate=256, vision_depth=2,
+                vision_heads=2),
+    "tiny": dict(),
+}
+REAL_VOCAB = 155776
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timeit(fn, warmup: int = 2, reps: int = 10) -> float:
+    """Median seconds of fn() (device-synchronised)."""
+    for _ in range(warmup):
+        fn()
+    _sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class Table:
+    def __init__(self):
+        self.rows: list[tuple[str, str, str]] = []
+
+    t0 = time.perf_counter()
+
+    def add(self, section: str, what: str, value: str):
+        self.rows.append((section, what, value))
+        print(f"[{time.perf_counter() - self.t0:6.0f}s] {section:10s} | {what:58s} | {value}", flush=True)
+
+    def markdown(self) -> str:
+        out = ["| section | measurement | value |", "|---|---|---|"]
+        out += [f"| {a} | {b} | {c} |" for a, b, c in self.rows]
+        return "\n".join(out)
+
+
+def floors(t: Table, dev: torch.device) -> tuple[float, float]:
+    if dev.type != "cuda":
+        t.add("floors", "device", "cpu (no floors measured)")
+        return float("nan"), float("nan")
+    n = 1 << 30
+    x = torch.randn(n // 2, device=dev, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    s = timeit(lambda: y.copy_(x), reps=20)
+    bw = 2 * x.numel() * 2 / s
+    t.add("floors", "copy bandwidth (read + write)", f"{bw / 1e12:.2f} TB/s")
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    s = timeit(lambda: a @ b, reps=10)
+    t.add("floors", "bf16 matmul 8192^3", f"{2 * 8192 ** 3 / s / 1e12:.0f} TFLOP/s")
+    del x, y, a, b
+    torch.cuda.empty_cache()
+    return bw, 2 * 8192 ** 3 / s
+
+
+def build_model(shape: str, dev: torch.device, dtype: torch.dtype):
+    """A random-weight Alpamayo2 of `shape` in memory, with a tokenizer and config (no files)."""
+    from worker.demo.layout import DEFAULT_CORPUS, build_tokenizer, make_config
+    from worker.model.checkpoint import default_dtype
+    from worker.model.config import AlpamayoConfig
+    from worker.model.modules import Alpamayo2
+
+    tok = build_tokenizer([DEFAULT_CORPUS], vocab_size=400)
+    dims = Dims(**SHAPES[shape])
+    config = make_config(tok, dims, dtype="bfloat16")
+    if shape == "32b":
+        for c in (config["vlm_config"]["text_config"], config["expert_config"]["llm_config"]):
+            c["vocab_size"] = REAL_VOCAB
+            c["rope_parameters"]["mrope_section"] = [24, 20, 20]
+    cfg = AlpamayoConfig.from_dict(config)
+    torch.manual_seed(0)
+    with default_dtype(dtype), torch.device(dev):
+        model = Alpamayo2(cfg)
+    model.eval().requires_grad_(False)
+    # Well-conditioned random weights: with the default init every layer's output dwarfs the
+    # residual stream and greedy choices flip under bf16 rounding (verify(8) vs decode(1)), so an
+    # oracle reference would diverge at once. Scaling the residual-branch outputs keeps the
+    # stream near the token embedding; shapes, bytes and FLOPs are unchanged.
+    with torch.no_grad():
+        for layer in model.language_model.layers:
+            layer.self_attn.o_proj.weight.mul_(5e-4)
+            layer.mlp.down_proj.weight.mul_(5e-4)
+    return model, cfg, tok
+
+
+def make_runtime(model, cfg, tok, dev, dtype):
+    from worker.model.inputs import ImageProcessing
+    from worker.model.runtime import AlpamayoRuntime
+    from worker.model.tokenizer import load_tokenizer  # noqa: F401  (ids come from the tokenizer below)
+    from worker.model.config import TokenIds
+
+    t = tok.token_to_id
+    ids = TokenIds(history_id0=t("<i0>"), future_id0=t("<i1000>"), traj_history_start=t("<|traj_history_start|>"),
+                   traj_history_end=t("<|traj_history_end|>"), traj_history=t("<|traj_history|>"),
+                   traj_future_start=t("<|traj_future_start|>"), traj_future_end=t("<|traj_future_end|>"),
+                   traj_future=t("<|traj_future|>"), im_start=t("<|im_start|>"), im_end=t("<|im_end|>"),
+                   endoftext=t("<|endoftext|>"), vision_start=t("<|vision_start|>"),
+                   vision_end=t("<|vision_end|>"), image_pad=t("<|image_pad|>"), pad=t("<|endoftext|>"))
+    proc = ImageProcessing(min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
+    return AlpamayoRuntime(model, cfg, tok, ids, proc, dev, dtype)
+
+
+def weight_bytes(model) -> int:
+    lm = model.language_model
+    n = sum(p.numel() * p.element_size() for p in lm.layers.parameters())
+    n += sum(b.numel() * b.element_size() for b in lm.layers.buffers())
+    n += sum(p.numel() * p.element_size() for p in model.lm_head.parameters())
+    n += sum(p.numel() * p.element_size() for p in lm.norm.parameters())
+    return n
+
+
+def random_prompt_cache(rt, rows: int, context: int, capacity: int):
+    """Persistent cache with `context` random-token positions per row, via a text-only prefill."""
+    dev = rt.device
+    rt.enable_graphs(max_rows=rows, capacity=capacity)
+    cache = rt.decoder.new_cache(rows, capacity, rt.dtype, dev)
+    rt.decoder.persistent = cache
+    ids = torch.randint(100, 300, (1, context), device=dev)
+    with torch.inference_mode():
+        out = rt.model.vlm.model(input_ids=ids, use_cache=True)
+    c = out["cache"] if "cache" in out.keys() else out["past_key_values"]
+    cache.load_prefix([(layer.keys, layer.values) for layer in c.layers], slice(0, rows))
+    return cache
+
+
+def engine_steps(t: Table, rt, floor_s: float, batches: list[int], context: int, tag: str) -> dict:
+    """Decode(1) and verify(8) step times over the persistent cache with CUDA graphs."""
+    dev = rt.device
+    res = {}
+    cap = context + 64
+    cache = random_prompt_cache(rt, max(batches), context, cap)
+    for b in batches:
+        start = torch.full((b,), context, dtype=torch.long, device=dev)
+        delta = torch.zeros(b, dtype=torch.long, device=dev)
+        for T in (1, 8):
+            ids = torch.randint(100, 300, (b, T), device=dev)
+            s = timeit(lambda: rt.decoder.step(ids, start, delta, cache, context + T), reps=10)
+            res[(b, T)] = s
+        ratio = f" = {res[(b, 1)] / floor_s:.2f}x floor" if floor_s == floor_s and b == 1 else ""
+        t.add(tag, f"decode step, batch {b}, context {context}", f"{res[(b, 1)] * 1e3:.2f} ms{ratio}")
+        t.add(tag, f"verify(8) step, batch {b}", f"{res[(b, 8)] * 1e3:.2f} ms = {res[(b, 8)] / res[(b, 1)]:.2f}x decode")
+    return res
+
+
+def hf_generate(t: Table, model, dev, context: int, new: int = 16) -> dict:
+    out = {}
+    ids = torch.randint(100, 300, (1, context), device=dev)
+    for name, kw in (("eager", {}), ("static cache (no compile)",
+                                     {"cache_implementation": "static", "disable_compile": True})):
+        def gen(n):
+            with torch.inference_mode():
+                model.vlm.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+        try:
+            gen(2)
+            a = timeit(lambda: gen(1), warmup=0, reps=2)
+            b = timeit(lambda: gen(new + 1), warmup=0, reps=2)
+            per = (b - a) / new
+            out[name] = per
+            t.add("HF", f"generate {name}, batch 1, context {context}", f"{per * 1e3:.1f} ms/token = {1 / per:.1f} tok/s")
+        except Exception as e:  # a transformers version without a feature: report, don't die
+            t.add("HF", f"generate {name}", f"failed: {type(e).__name__}: {str(e)[:80]}")
+    return out
+
+
+def loops(t: Table, rt, head_layers: int, batches: list[int], context: int, new: int, taus=(2, 4, 6)) -> dict:
+    """Baseline vs DFlash2 reasoning tokens/s (greedy; oracle proposals), draft pass time."""
+    from worker.dflash.draft import DraftModel
+    from worker.dflash.head import head_config_for
+    from worker.dflash.loop import DFlash2Speculator
+    from worker.dflash.oracle import OracleProposer, error_rate_for_tau
+    from worker.model.generate import baseline_decode, start_batch
+    from worker.model.sampling import SamplingParams
+
+    dev = rt.device
+    hc = head_config_for(rt.cfg, mask_token_id=rt.tok.token_to_id("<|route_pad|>"), num_layers=head_layers)
+    with torch.device(dev):
+        draft = DraftModel(hc).to(rt.dtype).eval().requires_grad_(False)
+    spec = DFlash2Speculator(draft, rt.model)
+    res = {}
+    cap = context + new + 16
+    for b in batches:
+        cache = random_prompt_cache(rt, b, context, cap)
+        spec.begin(b, cap, persistent=True, graphs=rt.graphs)
+        with torch.inference_mode():
+            feats = {i: torch.randn(1, context, hc.hidden_size, device=dev, dtype=rt.dtype) for i in hc.target_layer_ids}
+        spec.load_context(slice(0, b), feats, 0)
+
+        first = torch.randn(b, rt.model.lm_head.out_features, device=dev)
+
+        def new_batch():
+            params = SamplingParams(key=torch.arange(b, device=dev), temperature=torch.zeros(b, device=dev),
+                                    top_p=torch.ones(b, device=dev), top_k=torch.zeros(b, dtype=torch.long, device=dev))
+            logits = first
+            return start_batch(cache, torch.full((b,), context, device=dev), logits,
+                               torch.zeros(b, dtype=torch.long, device=dev), params, rt._banned_text,
+                               torch.tensor([-1], device=dev), torch.full((b,), new, device=dev))
+        baseline_decode(rt.decoder, new_batch())      # capture
+        s_base = timeit(lambda: baseline_decode(rt.decoder, new_batch()), warmup=0, reps=3)
+        ref = baseline_decode(rt.decoder, new_batch()).generated.clone()
+        base_tps = b * new / s_base
+        t.add("loop", f"baseline reasoning, batch {b}, {new} tokens", f"{base_tps:.0f} tok/s")
+        res[("base", b)] = base_tps
+        # draft pass alone
+        probe = new_batch()
+        s_draft = timeit(lambda: spec.proposer.propose(probe), reps=10)
+        t.add("loop", f"draft pass, batch {b}", f"{s_draft * 1e3:.2f} ms")
+        res[("draft", b)] = s_draft
+        inner = spec.proposer
+        for tau in taus:
+            spec.proposer = OracleProposer(inner, ref, error_rate_for_tau(tau), seed=7)
+            try:
+                spec.decode(rt.decoder, new_batch())
+                out = {}
+
+                def run():
+                    out["b"], out["s"] = spec.decode(rt.decoder, new_batch())
+                s_spec = timeit(run, warmup=0, reps=3)
+            finally:
+                spec.proposer = inner
+            steps = sum(len(r.accepted) for r in out["s"])
+            acc = sum(sum(r.accepted) for r in out["s"])
+            tps = b * new / s_spec
+            diff = int((out["b"].generated != ref).sum())
+            res[("dflash", b, tau)] = tps
+            t.add("loop", f"DFlash2 oracle tau={tau} (measured {1 + acc / max(steps, 1):.2f}), batch {b}",
+                  f"{tps:.0f} tok/s = {tps / base_tps:.2f}x baseline"
+                  + ("" if diff == 0 else f" ({diff}/{ref.numel()} tokens differ: bf16 verify vs decode rounding)"))
+    return res
+
+
+def end_to_end(t: Table, rt, image_hw: tuple[int, int], reasoning: int) -> dict:
+    from worker.model.runtime import SceneRequest
+
+    rng = np.random.default_rng(0)
+    rt.trajectory_max_new = reasoning
+    rt.enable_graphs(max_rows=4, capacity=8192 if rt.device.type == "cuda" else 1024)
+    xyz = np.zeros((16, 3), np.float32)
+    xyz[:, 0] = np.linspace(-15, 0, 16)
+    rot = np.tile(np.eye(3, dtype=np.float32), (16, 1, 1))
+    frames = rng.integers(0, 255, (24, image_hw[0], image_hw[1], 3), dtype=np.uint8)
+    out = {}
+    for k in (1, 3):
+        req = SceneRequest(request_id=f"e2e-{k}", task="trajectory", frames=frames, camera_ids=(0, 1, 2, 3, 5, 6),
+                           ego_history_xyz=xyz, ego_history_rot=rot, num_samples=k, temperature=0.6, seed=1)
+        rt.run([req])                                   # untimed first request per K (warm-up, capture)
+        walls, splits = [], []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            r = rt.run([req])[0]
+            _sync()
+            walls.append(time.perf_counter() - t0)
+            splits.append(r.timings_ms)
+        wall = statistics.median(walls)
+        sp = {key: statistics.median(s[key] for s in splits) for key in splits[0]}
+        out[k] = wall
+        t.add("e2e", f"scene K={k}, {image_hw[1]}x{image_hw[0]} x 24 images, {reasoning} reasoning tokens",
+              f"{wall * 1e3:.0f} ms (prep {sp['image_prep']:.0f}, prefill {sp['prefill']:.0f}, "
+              f"reasoning {sp['decode']:.0f}, diffusion {sp['diffusion']:.0f})")
+    t.add("e2e", "K=3 scene / K=1 scene", f"{out[3] / out[1]:.2f}x")
+    return out
+
+
+def demo_acceptance(t: Table, checkpoint: str, head: str, dev, n: int = 16) -> None:
+    from worker.dflash.loop import DFlash2Speculator
+    from worker.dflash.train import demo_requests, measure_acceptance
+    from worker.model.runtime import AlpamayoRuntime
+
+    base = AlpamayoRuntime.load(checkpoint, device=dev)
+    spec = AlpamayoRuntime.load(checkpoint, device=dev, speculator_factory=DFlash2Speculator.factory(head))
+    reqs = demo_requests(range(90_000_000, 90_000_000 + n), k=1, temperature=0.0)
+    for rt in (base, spec):
+        rt.enable_graphs(max_rows=32, capacity=1024)
+        rt.run(reqs[:1])
+    a = base.run(reqs)
+    b = spec.run(reqs)
+    same = sum(x.token_ids == y.token_ids for x, y in zip(a, b))
+    q = measure_acceptance(spec, reqs)
+    t.add("demo", f"real acceptance, {n} held-out scenes (greedy)",
+          f"rate {q['draft_acceptance_rate']:.3f}, mean length {q['mean_acceptance_length']:.2f}; "
+          f"identical outputs {same}/{n}")
+    for name, rt in (("baseline", base), ("dflash2", spec)):
+        walls = []
+        for r in reqs[:4]:
+            t0 = time.perf_counter()
+            res = rt.run([r])[0]
+            _sync()
+            walls.append((time.perf_counter() - t0, res.timings_ms))
+        ms = statistics.median(w for w, _ in walls) * 1e3
+        dec = statistics.median(tm["decode"] for _, tm in walls)
+        t.add("demo", f"{name} scene latency (K=1)", f"{ms:.1f} ms (reasoning {dec:.1f} ms)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m worker.bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="32b" if torch.cuda.is_available() else "tiny")
+    ap.add_argument("--context", type=int, default=None)
+    ap.add_argument("--batches", default=None, help="comma list (default 1,4,16,32 on GPU; 1,2 on CPU)")
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--demo", default=None, help="demo checkpoint dir (real acceptance)")
+    ap.add_argument("--head", default=None, help="DFlash2 head dir for --demo")
+    ap.add_argument("--out", default=None, help="write the Markdown table here")
+    args = ap.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    dev = torch.device("cuda" if gpu else "cpu")
+    dtype = torch.bfloat16 if gpu else torch.float32
+    context = args.context or (4400 if args.shape == "32b" else 256)
+    batches = [int(x) for x in (args.batches or ("1,4,16,32" if gpu else "1,2")).split(",")]
+    new = args.new_tokens or (128 if gpu else 24)
+    t = Table()
+    import transformers
+
+    t.add("setup", "date / device", f"{datetime.date.today()} / {torch.cuda.get_device_name(0) if gpu else platform.processor() or 'cpu'}")
+    t.add("setup", "torch / transformers", f"{torch.__version__} / {transformers.__version__}")
+    bw, _ = floors(t, dev)
+    model, cfg, tok = build_model(args.shape, dev, dtype)
+    rt = make_runtime(model, cfg, tok, dev, dtype)
+    wb = weight_bytes(model)
+    floor_s = wb / bw if bw == bw else float("nan")
+    t.add("floors", f"{args.shape}: weight bytes per decode step", f"{wb / 1e9:.2f} GB"
+          + (f" -> floor {floor_s * 1e3:.2f} ms/step" if floor_s == floor_s else ""))
+    hf = {} if args.skip_hf else hf_generate(t, model, dev, context, new=16 if gpu else 4)
+    steps = engine_steps(t, rt, floor_s, [b for b in batches if b <= 8] or [1], context, "bf16")
+    lp = loops(t, rt, 1, batches, context, new)
+    if "eager" in hf:
+        best = max(v for k_, v in lp.items() if k_[0] == "dflash" and k_[2] == 4 and k_[1] == 1)
+        t.add("ratio", "DFlash2 tau=4 batch 1 tok/s / HF eager batch 1", f"{best * hf['eager']:.1f}x")
+        top = max(v for k_, v in lp.items() if k_[0] == "dflash" and k_[2] == 4)
+        t.add("ratio", f"DFlash2 tau=4 batch {max(batches)} tok/s / HF eager batch 1", f"{top * hf['eager']:.1f}x")
+    t.add("ratio", "draft pass / verify(8), batch 1", f"{lp[('draft', 1)] / steps[(1, 8)]:.3f}")
+    if not args.skip_e2e:
+        end_to_end(t, rt, (1080, 1920) if args.shape == "32b" else (64, 64), 64 if gpu else 8)
+    # fp8: quantise the decoder stacks in place, re-capture, decode step
+    from worker.model.fp8 import quantize_model_fp8
+
+    rt.graphs.clear()
+    quantize_model_fp8(model)
+    rt.decoder.fuse()
+    if gpu:
+        torch.cuda.empty_cache()
+    s8 = engine_steps(t, rt, floor_s, [1], context, "fp8")
+    t.add("ratio", "fp8 decode step / bf16 decode step, batch 1", f"{s8[(1, 1)] / steps[(1, 1)]:.2f}")
+    del model, rt
+    if gpu:
+        torch.cuda.empty_cache()
+    if args.demo and args.head:
+        demo_acceptance(t, args.demo, args.head, dev)
+    md = t.markdown()
+    if args.out:
+        Path(args.out).write_text(md + "\n")
+    print("\n" + md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
