@@ -156,7 +156,11 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     device = _choice(env, "ALPAMAYO_DEVICE", ("cuda", "cpu"), None)
     host = socket.gethostname()
     instance = env.get("ALPAMAYO_GROUP_INSTANCE_ID") or None
-    roots = tuple(r for r in (env.get("ALPAMAYO_CLAIM_CHECK_ROOTS") or "").split(",") if r)
+    roots = tuple(r.strip() for r in (env.get("ALPAMAYO_CLAIM_CHECK_ROOTS") or "").split(",") if r.strip())
+    for r in roots:
+        if not (r.startswith("/") or r.startswith("file:///")):
+            raise ConfigError(f"ALPAMAYO_CLAIM_CHECK_ROOTS entry {r!r} is not a local directory: use absolute "
+                              "paths or file:/// URIs, e.g. ALPAMAYO_CLAIM_CHECK_ROOTS=file:///data/images/")
     drain = env.get("ALPAMAYO_DRAIN_TIMEOUT_S")
     try:
         drain_s = float(drain) if drain else 60.0

@@ -90,6 +90,9 @@ class Engine:
             checkpoint_hash=checkpoint_hash(self.checkpoint),
             speculative_decoding="dflash2" if self.head is not None else None,
             speculative_model=str(self.head) if self.head is not None else None)
+        if self.runtime.device.type == "cuda":      # CUDA graphs over one persistent cache, captured at warm-up
+            self.runtime.enable_graphs(max_rows=self.settings.max_batch_size * max(self.settings.k_values),
+                                       capacity=self.settings.max_model_len or 8192)
         log.info("loaded %s (%s) on %s in %.1fs", self.checkpoint, self.settings.profile, self.runtime.device,
                  time.perf_counter() - t0)
         if warmup:

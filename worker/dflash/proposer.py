@@ -62,7 +62,7 @@ class Proposer:
         committed token, not yet in the cache, at position lengths). A CUDA graph per rows bucket
         over the persistent context caches when graphs are on."""
         banned = batch.banned
-        if self.persistent and self.graphs is not None and self.graphs.enabled:
+        if self.persistent and self.graphs is not None:
             cap = self.k[0].shape[2]
             return self.graphs.run(("draft", batch.rows, id(banned)),
                                    lambda t, n, d: self._propose(t, n, d, banned, cap),

@@ -75,7 +75,7 @@ class ActionExpert:
         rows bucket, attending over the cache capacity (masked). Returns the action (R, W, 2) fp32.
         """
         x = normal(keys, (self.num_waypoints, 2)).to(offset.device)
-        if graphs is not None and graphs.enabled:
+        if graphs is not None:                      # persistent cache: attend over its capacity
             return graphs.run(("expert", x.shape[0], steps),
                               lambda x_, o, d: self.integrate(x_, cache, o, d, cache.capacity, steps),
                               x, offset, rope_delta).clone()

@@ -371,7 +371,7 @@ class AlpamayoRuntime:
     def _cache_for(self, real_rows: int, need: int):
         """(cache, rows): the persistent cache (rows padded to a graph bucket) when CUDA graphs are
         on and the batch fits it; otherwise a fresh cache of exactly this batch."""
-        if self.graphs.enabled and real_rows <= self.max_rows and need <= self.capacity:
+        if real_rows <= self.max_rows and need <= self.capacity:
             if self.decoder.persistent is None:
                 self.decoder.persistent = self.decoder.new_cache(self.max_rows, self.capacity, self.dtype,
                                                                  self.device)
@@ -379,12 +379,11 @@ class AlpamayoRuntime:
         return self.decoder.new_cache(real_rows, need, self.dtype, self.device), real_rows
 
     def enable_graphs(self, max_rows: int, capacity: int) -> None:
-        """CUDA graphs per (rows bucket, T) for decode/verify, the draft pass and the expert loop,
-        over one persistent cache of max_rows x capacity (captured at warm-up)."""
-        if self.device.type != "cuda":
-            return
+        """One persistent cache of max_rows x capacity, rows padded to power-of-two buckets, and
+        on CUDA a graph per (rows bucket, T) for decode/verify, the draft pass and the expert loop
+        (captured at warm-up). On CPU the same path runs eagerly (that is what tests exercise)."""
         self.max_rows, self.capacity = max_rows, capacity
-        self.graphs = GraphCache(enabled=True)
+        self.graphs = GraphCache(enabled=self.device.type == "cuda")
         self.decoder.graphs = self.graphs
         self.decoder.persistent = None
 

@@ -1,0 +1,261 @@
+"""Offset tracking and the publisher's commit rules, with recording fake Kafka clients.
+
+The real-broker behaviour (crash, rebalance, transactions) is in test_worker_kafka.py.
+"""
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+
+from worker.publisher import OffsetTracker, Output, Publisher, PublishError
+
+TP0, TP1 = ("req", 0), ("req", 1)
+
+
+# ---------------------------------------------------------------- OffsetTracker
+
+def test_commit_is_highest_contiguous_completed_offset_plus_one():
+    t = OffsetTracker()
+    e = t.assign(TP0)
+    for off in (10, 11, 12, 13):
+        assert t.add(TP0, off) == e
+    t.done(TP0, 10, e)
+    t.done(TP0, 12, e)
+    t.done(TP0, 13, e)
+    assert t.committable() == {TP0: 11}       # 11 unfinished holds 12 and 13 back
+    t.mark_committed({TP0: 11})
+    assert t.committable() == {}
+    t.done(TP0, 11, e)
+    assert t.committable() == {TP0: 14}
+
+
+def test_offset_gaps_are_stepped_over():
+    t = OffsetTracker()
+    e = t.assign(TP0)
+    for off in (3, 5, 9):                      # 4, 6..8: transaction markers / compacted
+        t.add(TP0, off)
+    for off in (3, 5, 9):
+        t.done(TP0, off, e)
+    assert t.committable() == {TP0: 10}
+
+
+def test_revoke_drops_state_and_stale_epochs_are_refused():
+    t = OffsetTracker()
+    e1 = t.assign(TP0)
+    t.add(TP0, 0)
+    assert t.revoke(TP0) == 1                 # one abandoned
+    assert t.add(TP0, 1) is None              # not assigned: record ignored
+    e2 = t.assign(TP0)
+    assert e2 != e1
+    assert not t.is_current(TP0, e1) and t.is_current(TP0, e2)
+    t.add(TP0, 0)
+    assert t.done(TP0, 0, e1) is False        # completion of the old assignment does not count
+    assert t.committable() == {} and t.inflight == 1
+    assert t.done(TP0, 0, e2) is True
+    assert t.committable() == {TP0: 1}
+
+
+def test_nothing_to_commit_before_progress_after_a_restart():
+    t = OffsetTracker()
+    e = t.assign(TP0)
+    t.add(TP0, 40)                            # the group had committed 40 before
+    t.add(TP0, 41)
+    assert t.committable() == {}              # never commits behind or at the group's position
+    t.done(TP0, 40, e)
+    assert t.committable() == {TP0: 41}
+
+
+def test_extra_done_previews_a_transaction():
+    t = OffsetTracker()
+    e = t.assign(TP0)
+    t.assign(TP1)
+    t.add(TP0, 0)
+    t.add(TP0, 1)
+    assert t.committable(extra_done={(TP0, 0)}) == {TP0: 1}
+    assert t.committable(extra_done={(TP0, 0), (TP0, 1)}) == {TP0: 2}
+    assert t.pending(TP0) == {0, 1}           # preview changes nothing
+    t.done(TP0, 0, e)
+    assert t.committable(only={TP1}) == {}
+
+
+# ---------------------------------------------------------------- Publisher with fakes
+
+@dataclass(frozen=True)
+class FakeTP:
+    topic: str
+    partition: int
+
+
+class FakeConsumer:
+    def __init__(self, tps):
+        self.tps = [FakeTP(*tp) for tp in tps]
+        self.commits = []
+        self.fail_commit = False
+
+    def assignment(self):
+        return set(self.tps)
+
+    async def commit(self, offsets):
+        if self.fail_commit:
+            raise RuntimeError("CommitFailedError: rebalance")
+        self.commits.append({(tp.topic, tp.partition): off for tp, off in offsets.items()})
+
+
+class FakeProducer:
+    """send() returns a future the test resolves (the broker's acknowledgement)."""
+
+    def __init__(self):
+        self.sent = []
+        self.pending = []
+        self.txns = []
+        self._txn = None
+
+    async def send(self, topic, value, key=None, headers=None):
+        fut = asyncio.get_running_loop().create_future()
+        self.sent.append((topic, key, value))
+        if self._txn is not None:
+            self._txn["sends"].append((topic, key))
+            fut.set_result(None)
+        else:
+            self.pending.append(fut)
+        return fut
+
+    def ack_all(self, error=None):
+        for f in self.pending:
+            f.set_exception(error) if error else f.set_result(None)
+        self.pending = []
+
+    def transaction(self):
+        producer = self
+
+        class Txn:
+            async def __aenter__(self):
+                producer._txn = {"sends": [], "offsets": None, "committed": False}
+
+            async def __aexit__(self, et, e, tb):
+                producer._txn["committed"] = et is None
+                producer.txns.append(producer._txn)
+                producer._txn = None
+                return False
+
+        return Txn()
+
+    async def send_offsets_to_transaction(self, offsets, group_id):
+        self._txn["offsets"] = ({(tp.topic, tp.partition): o for tp, o in offsets.items()}, group_id)
+
+
+def out(tp, offset, epoch, key):
+    return Output(tp, offset, epoch, "results", key.encode(), b"v", [], request_id=key)
+
+
+async def test_at_least_once_commits_only_after_every_ack():
+    t = OffsetTracker()
+    e = t.assign(TP0)
+    for off in range(3):
+        t.add(TP0, off)
+    prod, cons = FakeProducer(), FakeConsumer([TP0])
+    pub = Publisher(prod, cons, t, "g", exactly_once=False, tp_factory=FakeTP)
+    pub.submit([out(TP0, 0, e, "a"), out(TP0, 1, e, "b")])
+    flush = asyncio.create_task(pub.flush())
+    await asyncio.sleep(0.05)
+    assert len(prod.sent) == 2 and not flush.done()
+    assert cons.commits == []                  # not acknowledged yet: nothing committed
+    prod.ack_all()
+    assert await flush == {TP0: 2}
+    assert cons.commits == [{TP0: 2}]          # offset 2 still pending -> 2, not 3
+
+
+async def test_at_least_once_send_failure_is_fatal_and_commits_nothing():
+    t = OffsetTracker()
+    e = t.assign(TP0)
+    t.add(TP0, 0)
+    prod, cons = FakeProducer(), FakeConsumer([TP0])
+    pub = Publisher(prod, cons, t, "g", exactly_once=False, tp_factory=FakeTP)
+    pub.submit([out(TP0, 0, e, "a")])
+    flush = asyncio.create_task(pub.flush())
+    await asyncio.sleep(0.01)
+    prod.ack_all(error=RuntimeError("NotEnoughReplicas"))
+    with pytest.raises(PublishError):
+        await flush
+    assert cons.commits == [] and t.pending(TP0) == {0}
+
+
+async def test_commit_failure_is_not_fatal_and_is_retried_next_flush():
+    t = OffsetTracker()
+    e = t.assign(TP0)
+    t.add(TP0, 0)
+    prod, cons = FakeProducer(), FakeConsumer([TP0])
+    cons.fail_commit = True
+    pub = Publisher(prod, cons, t, "g", exactly_once=False, tp_factory=FakeTP)
+    pub.submit([out(TP0, 0, e, "a")])
+    flush = asyncio.create_task(pub.flush())
+    await asyncio.sleep(0.01)
+    prod.ack_all()
+    assert await flush == {}
+    cons.fail_commit = False
+    assert await pub.flush() == {TP0: 1}
+
+
+async def test_stale_outputs_of_a_revoked_partition_are_dropped():
+    t = OffsetTracker()
+    e_old = t.assign(TP0)
+    t.add(TP0, 0)
+    t.revoke(TP0)
+    t.assign(TP0)
+    prod, cons = FakeProducer(), FakeConsumer([TP0])
+    pub = Publisher(prod, cons, t, "g", exactly_once=False, tp_factory=FakeTP)
+    pub.submit([out(TP0, 0, e_old, "a")])
+    assert await pub.flush() == {}
+    assert prod.sent == [] and pub.dropped_stale == 1
+
+
+async def test_exactly_once_outputs_and_offsets_in_one_transaction():
+    t = OffsetTracker()
+    e0, e1 = t.assign(TP0), t.assign(TP1)
+    for off in range(2):
+        t.add(TP0, off)
+    t.add(TP1, 5)
+    prod, cons = FakeProducer(), FakeConsumer([TP0, TP1])
+    pub = Publisher(prod, cons, t, "grp", exactly_once=True, tp_factory=FakeTP)
+    pub.submit([out(TP0, 0, e0, "a"), out(TP1, 5, e1, "c")])
+    committed = await pub.flush()
+    assert committed == {TP0: 1, TP1: 6}
+    (txn,) = prod.txns
+    assert txn["committed"] and txn["sends"] == [("results", b"a"), ("results", b"c")]
+    assert txn["offsets"] == ({TP0: 1, TP1: 6}, "grp")
+    assert cons.commits == []                  # never a plain consumer commit in exactly_once
+    assert t.pending(TP0) == {1}
+
+
+async def test_exactly_once_publishes_in_offset_order_per_partition():
+    """A result is never committed beyond its partition's committed offset: offset 1 finished
+    before offset 0 waits for it (else a restart from offset 0 would commit a second result)."""
+    t = OffsetTracker()
+    e = t.assign(TP0)
+    for off in range(3):
+        t.add(TP0, off)
+    prod, cons = FakeProducer(), FakeConsumer([TP0])
+    pub = Publisher(prod, cons, t, "grp", exactly_once=True, tp_factory=FakeTP)
+    pub.submit([out(TP0, 1, e, "b")])
+    assert await pub.flush() == {}
+    assert prod.txns == [] and pub.held == 1                  # held: offset 0 unfinished
+    pub.submit([out(TP0, 0, e, "a")])
+    assert await pub.flush() == {TP0: 2}
+    (txn,) = prod.txns
+    assert txn["sends"] == [("results", b"b"), ("results", b"a")] and txn["offsets"][0] == {TP0: 2}
+    assert pub.held == 0 and t.pending(TP0) == {2}
+
+
+async def test_exactly_once_held_outputs_of_a_revoked_partition_are_dropped():
+    t = OffsetTracker()
+    e = t.assign(TP0)
+    t.add(TP0, 0)
+    t.add(TP0, 1)
+    prod, cons = FakeProducer(), FakeConsumer([TP0])
+    pub = Publisher(prod, cons, t, "grp", exactly_once=True, tp_factory=FakeTP)
+    pub.submit([out(TP0, 1, e, "b")])
+    await pub.flush()
+    t.revoke(TP0)
+    t.assign(TP0)
+    assert await pub.flush() == {} and pub.held == 0 and prod.txns == []

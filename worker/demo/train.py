@@ -1,0 +1,475 @@
+"""Joint teacher-forced training of the demo model on synthetic scenes (VLM + action expert).
+
+The training data pipeline turns a synthetic scene (``producer_tools.scenes.Scene``) into one
+example per task. The prompt of each example is built by the runtime itself
+(``AlpamayoRuntime._prepare`` on a ``SceneRequest``), so training sees exactly the token ids,
+3-D rotary positions and pixel grids inference sees; the assistant target follows it:
+
+    trajectory     reasoning + <|traj_future_start|>
+    meta_action    reasoning + "\\n" + the three meta lines + <|traj_future_start|>
+    auto_labeling  the four-key JSON + <|im_end|>
+    vqa            the answer + <|im_end|>          (VQA camera profile)
+    grounding      the box JSON + <|im_end|>
+
+One step: a batch of examples (any mix of tasks) right-padded to one length (causal attention
+makes right padding harmless), one forward of ``model.vlm.model`` with the 3-D positions and
+``use_cache=True``, cross-entropy of ``model.lm_head`` on the target tokens only, and for the
+trajectory rows the flow-matching loss of the action expert: x1 = the normalised planner action,
+noise eps, t ~ 0.999 (1 - Beta(1.5, 1)), x_t = t x1 + (1 - t) eps, target v = x1 - eps,
+predicted by ``ActionExpert.velocity`` over the forward's own K/V (stacked, with gradients, so
+the VLM co-trains) up to and including ``<|traj_future_start|>``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from worker.model.action_space import UnicycleActionSpaceConfig, trajectory_to_action
+from worker.model.expert import ActionExpert
+from worker.model.inputs import CAMERA_IDS_BY_NAME, decode_image
+from worker.model.runtime import AlpamayoRuntime, SceneRequest
+
+TASKS = ("trajectory", "meta_action", "auto_labeling", "vqa", "grounding")
+TRAJ_FUTURE_START = "<|traj_future_start|>"
+IM_END = "<|im_end|>"
+
+
+# ------------------------------------------------------------------ scenes -> requests / targets
+
+def scene_frames(scene, vqa: bool = False) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Decoded frames (N_cam * 4, H, W, 3) uint8, camera-major, and the camera ids from names."""
+    images = scene.vqa_images if vqa else scene.images
+    names = scene.vqa_camera_order if vqa else scene.camera_order
+    frames = np.stack([decode_image(b) for b in images])
+    return frames, tuple(CAMERA_IDS_BY_NAME[n] for n in names)
+
+
+def scene_request(scene, task: str, *, request_id: str | None = None, num_samples: int = 1,
+                  temperature: float = 0.0, seed: int = 0, frames=None) -> SceneRequest:
+    """The SceneRequest a producer would send for `scene` and `task` (the real inference input)."""
+    if frames is None:
+        frames = scene_frames(scene, vqa=task == "vqa")
+    arr, cams = frames
+    f32 = lambda x: np.asarray(x, dtype=np.float32)  # noqa: E731
+    question = {"vqa": scene.text.vqa_question, "grounding": scene.text.grounding_question}.get(task)
+    return SceneRequest(
+        request_id=request_id or f"{scene.scene_id}-{task}", task=task, frames=arr, camera_ids=cams,
+        num_frames=len(scene.frame_offsets_s),
+        ego_history_xyz=f32(scene.ego_history_xyz), ego_history_rot=f32(scene.ego_history_rot),
+        ego_future_xyz=f32(scene.ego_future_xyz), ego_future_rot=f32(scene.ego_future_rot),
+        num_samples=num_samples, temperature=temperature, seed=seed, question=question)
+
+
+def target_text(scene, task: str) -> str:
+    """The assistant turn the model is trained to produce, with its terminal token."""
+    t = scene.text
+    if task == "trajectory":
+        return t.reasoning + TRAJ_FUTURE_START
+    if task == "meta_action":
+        return t.reasoning + "\n" + t.meta_action + TRAJ_FUTURE_START
+    if task == "auto_labeling":
+        return t.auto_labeling + IM_END
+    if task == "vqa":
+        return t.vqa_answer + IM_END
+    if task == "grounding":
+        return t.grounding_answer + IM_END
+    raise ValueError(f"unknown task {task!r}")
+
+
+def corpus_texts(scenes) -> list[str]:
+    """Texts of all five tasks (the tokenizer's training corpus, with the prompt strings)."""
+    out = []
+    for s in scenes:
+        t = s.text
+        out += [t.reasoning, t.meta_action, t.auto_labeling, t.vqa_question, t.vqa_answer,
+                t.grounding_question, t.grounding_answer]
+    return out
+
+
+# ------------------------------------------------------------------ planner actions
+
+def _traj_tensors(scenes):
+    as_t = lambda x: torch.as_tensor(np.asarray(x, dtype=np.float32))  # noqa: E731
+    return (torch.stack([as_t(s.ego_history_xyz) for s in scenes]),
+            torch.stack([as_t(s.ego_history_rot) for s in scenes]),
+            torch.stack([as_t(s.ego_future_xyz) for s in scenes]),
+            torch.stack([as_t(s.ego_future_rot) for s in scenes]))
+
+
+def planner_actions(scenes, cfg: UnicycleActionSpaceConfig) -> torch.Tensor:
+    """Normalised (accel, curvature) of the planner futures. -> (N, 64, 2) fp32."""
+    return trajectory_to_action(*_traj_tensors(scenes), cfg)
+
+
+def fit_action_normalisation(scenes) -> dict[str, float]:
+    """accel/curvature mean and std of the planner futures (for `action_space_cfg`)."""
+    unit = UnicycleActionSpaceConfig(accel_mean=0.0, accel_std=1.0, curvature_mean=0.0, curvature_std=1.0)
+    phys = planner_actions(scenes, unit).double()
+    a, k = phys[..., 0], phys[..., 1]
+    return {"accel_mean": float(a.mean()), "accel_std": float(a.std()),
+            "curvature_mean": float(k.mean()), "curvature_std": float(k.std())}
+
+
+# ------------------------------------------------------------------ examples
+
+@dataclass
+class Example:
+    """One teacher-forced sequence: prompt (as inference builds it) + assistant target."""
+
+    scene_index: int
+    task: str
+    input_ids: torch.Tensor      # (L,) long
+    positions: torch.Tensor      # (3, L) long
+    rope_delta: int
+    prompt_len: int
+    frames: np.ndarray           # (N_img, H, W, 3) uint8 (shared between the tasks of one profile)
+    weights: torch.Tensor        # (L - prompt_len,) loss weight of each target token
+    action: torch.Tensor | None  # (64, 2) normalised planner action (trajectory only)
+    offset: int | None           # index of <|traj_future_start|> + 1 (trajectory only)
+
+    @property
+    def target_ids(self) -> torch.Tensor:
+        return self.input_ids[self.prompt_len:]
+
+
+def _sentence_spans(text: str, n: int) -> list[tuple[int, int]]:
+    """Character spans of the first n sentences (". " separated) of a reasoning."""
+    spans, start = [], 0
+    for _ in range(n):
+        end = text.find(". ", start)
+        end = len(text) if end < 0 else end + 1
+        spans.append((start, end))
+        start = end + 1
+    return spans
+
+
+# The words of the first two reasoning sentences that carry the scene's facts (the rest of each
+# sentence follows from them): traffic-light state, then the lead-vehicle situation.
+_KEY_WORDS = (re.compile(r"^\s*(There|The)\b|\b(no|red|green|yellow|and|but)\b"),
+              re.compile(r"^\s*(There|The)\b|\b(no|stopped|slower|similar|faster|\d+)\b"))
+
+
+def token_weights(tok, text: str, task: str, key_weights: tuple[float, float]) -> tuple[list[int], torch.Tensor]:
+    """Target ids and their loss weights: in trajectory/meta_action reasonings, the tokens of the
+    fact-bearing words of the first sentence (the traffic light) weigh key_weights[0] and those of
+    the second (the lead vehicle) key_weights[1]; every other token weighs 1."""
+    enc = tok.encode(text, add_special_tokens=False)
+    w = torch.ones(len(enc.ids))
+    if task in ("trajectory", "meta_action"):
+        for (lo, hi), wk, rx in zip(_sentence_spans(text, 2), key_weights, _KEY_WORDS):
+            for m in rx.finditer(text[lo:hi]):
+                a, b = lo + m.start(), lo + m.end()
+                for j, (ta, tb) in enumerate(enc.offsets):
+                    if ta < b and tb > a:
+                        w[j] = max(float(w[j]), wk)
+    return enc.ids, w
+
+
+def build_examples(runtime: AlpamayoRuntime, scenes: Sequence, tasks: Sequence[str] = TASKS,
+                   actions: torch.Tensor | None = None,
+                   key_weights: tuple[float, float] = (1.0, 1.0)) -> list[Example]:
+    """Examples for every (scene, task), in scene-major order. Pure function of its inputs."""
+    tok, ids = runtime.tok, runtime.ids
+    if actions is None and "trajectory" in tasks:
+        actions = planner_actions(scenes, runtime.cfg.action_space)
+    out: list[Example] = []
+    for i, scene in enumerate(scenes):
+        drive = scene_frames(scene)
+        vqa = scene_frames(scene, vqa=True) if "vqa" in tasks else None
+        for task in tasks:
+            frames = vqa if task == "vqa" else drive
+            p = runtime._prepare(scene_request(scene, task, frames=frames))
+            target_ids, weights = token_weights(tok, target_text(scene, task), task, key_weights)
+            target = torch.tensor(target_ids, dtype=torch.long)
+            plen, n = len(p.input_ids), len(target)
+            text_pos = (torch.arange(plen, plen + n) + p.rope_delta).expand(3, n)
+            offset = None
+            if task == "trajectory":
+                hit = (target == ids.traj_future_start).nonzero().flatten()
+                offset = plen + int(hit[0]) + 1
+            out.append(Example(i, task, torch.cat([p.input_ids, target]),
+                               torch.cat([p.positions, text_pos], dim=1), p.rope_delta, plen, frames[0], weights,
+                               actions[i].clone() if task == "trajectory" else None, offset))
+    return out
+
+
+# ------------------------------------------------------------------ exact fast paths for training
+
+def _vision_attention_batched(self, hidden_states, cu_seqlens, position_embeddings=None, **kwargs):
+    """Qwen3VLVisionAttention.forward for equal-length images in one SDPA call (transformers'
+    non-flash path loops over images; the math is the same block-diagonal attention)."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision
+
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    n = hidden_states.shape[0]
+    if not bool((lengths == lengths[0]).all()):
+        return type(self).forward(self, hidden_states, cu_seqlens, position_embeddings=position_embeddings,
+                                  **kwargs)
+    q, k, v = self.qkv(hidden_states).reshape(n, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    cos, sin = position_embeddings
+    q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
+    ln = int(lengths[0])
+    q, k, v = (x.reshape(-1, ln, self.num_heads, x.shape[-1]).transpose(1, 2) for x in (q, k, v))
+    o = F.scaled_dot_product_attention(q, k, v, scale=self.scaling)
+    return self.proj(o.transpose(1, 2).reshape(n, -1))
+
+
+def _patch_embed_linear(self, hidden_states):
+    """Qwen3VLVisionPatchEmbed.forward as one matmul (a stride = kernel Conv3d over exactly one
+    patch is a dot product with the flattened kernel; CPU conv backward is slow)."""
+    w = self.proj.weight
+    return F.linear(hidden_states.to(w.dtype).reshape(-1, w[0].numel()), w.reshape(w.shape[0], -1), self.proj.bias)
+
+
+class fast_training_paths:
+    """Context: exact, faster forwards for the vision tower's attention and patch embedding
+    (instance attributes, removed on exit; the weights and checkpoint layout are untouched)."""
+
+    def __init__(self, model):
+        self.visual = model.vlm.model.visual
+
+    def __enter__(self):
+        import types
+
+        self.patched = [(self.visual.patch_embed, types.MethodType(_patch_embed_linear, self.visual.patch_embed))]
+        self.patched += [(b.attn, types.MethodType(_vision_attention_batched, b.attn)) for b in self.visual.blocks]
+        for mod, fn in self.patched:
+            mod.forward = fn
+        return self
+
+    def __exit__(self, *exc):
+        for mod, _ in self.patched:
+            del mod.forward
+
+
+# ------------------------------------------------------------------ training
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 300
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.05
+    warmup: int = 20
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    expert_weight: float = 1.0
+    expert_repeats: int = 8              # noise draws per trajectory row and step
+    kv_grad_scale: float = 0.1           # share of the expert's gradient that flows into the VLM's K/V
+    key_weights: tuple[float, float] = (10.0, 3.0)  # light words, lead words (see token_weights)
+    # examples of each task per step; rows of one group share a forward (similar lengths)
+    per_step: tuple[tuple[str, int], ...] = (
+        ("trajectory", 5), ("meta_action", 2), ("vqa", 2), ("grounding", 2), ("auto_labeling", 1))
+    groups: tuple[tuple[str, ...], ...] = (("trajectory", "meta_action"), ("vqa", "grounding"), ("auto_labeling",))
+    time_budget_s: float | None = None   # stop early (wall clock) when set; breaks determinism
+
+
+def lr_at(step: int, c: TrainConfig) -> float:
+    if step < c.warmup:
+        return c.lr * (step + 1) / c.warmup
+    u = (step - c.warmup) / max(1, c.steps - c.warmup)
+    return c.lr * (c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, u))))
+
+
+def sample_flow_t(n: int) -> torch.Tensor:
+    """t ~ 0.999 * (1 - Beta(1.5, 1)) (global torch RNG)."""
+    return 0.999 * (1 - torch.distributions.Beta(1.5, 1.0).sample((n,)))
+
+
+def init_bin_embeddings(model, token_ids, std: float = 0.02) -> None:
+    """Initialise the `<i0..i3999>` trajectory-bin embeddings smoothly in the bin value
+    (sin/cos features of the value, mixed by a fixed random rotation), so that neighbouring bins
+    start close and the tiny model reads history deltas as numbers from few scenes. Only the
+    starting point changes; the embeddings are trained like every other weight."""
+    emb = model.vlm.model.language_model.embed_tokens.weight
+    hidden = emb.shape[1]
+    gen = torch.Generator().manual_seed(1234)
+    mix = torch.linalg.qr(torch.randn(hidden, hidden, generator=gen))[0]
+    n_freq = hidden // 2
+    with torch.no_grad():
+        for start, count in ((token_ids.history_id0, 1000), (token_ids.future_id0, 3000)):
+            u = torch.arange(count, dtype=torch.float32) / (count - 1)
+            freqs = torch.logspace(0, math.log10(count / 4), n_freq)
+            ang = math.pi * u[:, None] * freqs[None]
+            feats = torch.cat([ang.sin(), ang.cos()], dim=1)[:, :hidden]
+            feats = feats / feats.norm(dim=1, keepdim=True) * std * math.sqrt(hidden)
+            emb[start:start + count] = (feats @ mix).to(emb.dtype)
+
+
+def init_patch_colour_means(model, scale: float = 1.0) -> None:
+    """Let the first three channels of the vision patch embedding start as the patch's mean R, G
+    and B (the traffic-light lamp is a large saturated blob; colour is what tells its state).
+    Only the starting point changes; the weights are trained like every other weight."""
+    w = model.vlm.model.visual.patch_embed.proj.weight            # (out, 3, T, P, P)
+    with torch.no_grad():
+        n = w[0, 0].numel()
+        for c in range(3):
+            w[c].zero_()
+            w[c, c] = scale / n
+
+
+class _Batch(SimpleNamespace):
+    pass
+
+
+def collate(examples: Sequence[Example], runtime: AlpamayoRuntime) -> _Batch:
+    """Right-pad to one length (causal attention: padding after a row never reaches it); labels
+    -100 and weight 0 outside the targets; pixel values of every row's images in order."""
+    pad = runtime.ids.pad
+    L = max(len(e.input_ids) for e in examples)
+    b = len(examples)
+    input_ids = torch.full((b, L), pad, dtype=torch.long)
+    positions = torch.zeros(3, b, L, dtype=torch.long)
+    labels = torch.full((b, L), -100, dtype=torch.long)
+    weights = torch.zeros(b, L)
+    pv, grids = [], []
+    for r, e in enumerate(examples):
+        n = len(e.input_ids)
+        input_ids[r, :n] = e.input_ids
+        positions[:, r, :n] = e.positions
+        if n < L:
+            positions[:, r, n:] = e.positions[:, -1:] + torch.arange(1, L - n + 1)
+        labels[r, e.prompt_len:n] = e.input_ids[e.prompt_len:]
+        weights[r, e.prompt_len:n] = e.weights
+        px, grid = runtime.image_proc(torch.from_numpy(e.frames))
+        pv.append(px)
+        grids.append(grid)
+    traj = [r for r, e in enumerate(examples) if e.task == "trajectory"]
+    return _Batch(input_ids=input_ids, positions=positions, labels=labels, weights=weights,
+                  pixel_values=torch.cat(pv), grid=torch.cat(grids), traj_rows=traj,
+                  actions=torch.stack([examples[r].action for r in traj]) if traj else None,
+                  offsets=torch.tensor([examples[r].offset for r in traj], dtype=torch.long),
+                  rope_delta=torch.tensor([examples[r].rope_delta for r in traj], dtype=torch.long))
+
+
+def _grad_scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x in the forward; its gradient multiplied by `scale` in the backward."""
+    if scale == 1.0:
+        return x
+    d = x.detach()
+    return d + scale * (x - d)
+
+
+def _stacked_cache(cache, rows: list[int], grad_scale: float = 1.0) -> SimpleNamespace:
+    """The forward's per-layer K/V (B, Hkv, L, D) stacked to (layers, rows, Hkv, L, D), with
+    gradients (scaled by grad_scale) into the VLM."""
+    k = torch.stack([layer.keys[rows] for layer in cache.layers])
+    v = torch.stack([layer.values[rows] for layer in cache.layers])
+    return SimpleNamespace(k=_grad_scaled(k, grad_scale), v=_grad_scaled(v, grad_scale))
+
+
+def loss_on_batch(model, expert: ActionExpert, batch: _Batch, c: TrainConfig, weight_total: float,
+                  traj_total: int) -> tuple[torch.Tensor, dict]:
+    """Weighted CE summed over this micro-batch's target tokens / weight_total, plus the flow
+    loss of its trajectory rows scaled by their share of the step's trajectory rows."""
+    out = model.vlm.model(input_ids=batch.input_ids, pixel_values=batch.pixel_values,
+                          image_grid_thw=batch.grid, position_ids=batch.positions, use_cache=True)
+    h = out.last_hidden_state                                       # (B, L, H)
+    tgt = batch.labels[:, 1:]
+    sel = tgt != -100
+    logits = model.lm_head(h[:, :-1][sel]).float()
+    ce_tok = F.cross_entropy(logits, tgt[sel], reduction="none")
+    w = batch.weights[:, 1:][sel]
+    loss = (ce_tok * w).sum() / weight_total
+    stats = {"ce_sum": float((ce_tok.detach() * w).sum()), "w_sum": float(w.sum())}
+    if batch.traj_rows:
+        cache = out["cache"] if "cache" in out.keys() else out["past_key_values"]
+        rep = c.expert_repeats
+        rows = [r for r in batch.traj_rows for _ in range(rep)]
+        kv = _stacked_cache(cache, rows, c.kv_grad_scale)
+        x1 = batch.actions.repeat_interleave(rep, 0)
+        eps = torch.randn_like(x1)
+        t = sample_flow_t(len(rows)).view(-1, 1, 1)
+        xt = t * x1 + (1 - t) * eps
+        offset = batch.offsets.repeat_interleave(rep)
+        v = expert.velocity(xt, t, kv, offset, batch.rope_delta.repeat_interleave(rep), int(offset.max()))
+        fm = F.mse_loss(v, x1 - eps)
+        loss = loss + c.expert_weight * fm * (len(batch.traj_rows) / traj_total)
+        stats["flow"] = fm.item()
+    return loss, stats
+
+
+class _Sampler:
+    """Per-task epochs without replacement (numpy Generator); each step takes `per_step[task]`
+    examples of each task, split into the micro-batches of `groups`."""
+
+    def __init__(self, examples: Sequence[Example], c: TrainConfig, seed: int):
+        self.rng = np.random.default_rng([seed, 7])
+        self.by_task: dict[str, list[int]] = {}
+        for i, e in enumerate(examples):
+            self.by_task.setdefault(e.task, []).append(i)
+        self.counts = {t: n for t, n in c.per_step if t in self.by_task and n > 0}
+        self.groups = [[t for t in g if t in self.counts] for g in c.groups]
+        self.groups = [g for g in self.groups if g]
+        self.queues: dict[str, list[int]] = {t: [] for t in self.counts}
+
+    def _take(self, task: str) -> list[int]:
+        q, out = self.queues[task], []
+        for _ in range(self.counts[task]):
+            if not q:
+                q.extend(self.rng.permutation(self.by_task[task]).tolist())
+            out.append(q.pop())
+        return out
+
+    def step(self) -> list[list[int]]:
+        return [[i for t in g for i in self._take(t)] for g in self.groups]
+
+
+def train(model, runtime: AlpamayoRuntime, examples: Sequence[Example], c: TrainConfig, seed: int = 0,
+          log: Callable[[str], None] | None = None, callback: Callable[[int], None] | None = None) -> dict:
+    """AdamW with warm-up + cosine over `c.steps` steps. The global torch RNG (seeded by the
+    caller) draws the flow-matching noise and times; a numpy Generator from `seed` the batches.
+    Returns a summary (steps, wall/CPU seconds, final losses)."""
+    sampler = _Sampler(examples, c, seed)
+    expert = ActionExpert(model.expert, runtime.cfg.action_space.n_waypoints)
+    params = [p for p in model.parameters() if p.requires_grad]
+    vlm_params = [p for p in model.vlm.parameters() if p.requires_grad]
+    expert_params = [p for p in model.expert.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": c.weight_decay},
+                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=c.lr, betas=(0.9, 0.98))
+    model.train()
+    t0, c0 = time.perf_counter(), time.process_time()
+    hist: list[dict] = []
+    with fast_training_paths(model):
+        for step in range(c.steps):
+            groups = [[examples[i] for i in g] for g in sampler.step()]
+            weight_total = float(sum(float(e.weights.sum()) for g in groups for e in g))
+            traj_total = max(1, sum(e.task == "trajectory" for g in groups for e in g))
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, c)
+            opt.zero_grad(set_to_none=True)
+            ce_sum = w_sum = 0.0
+            flow = []
+            for g in groups:
+                loss, st = loss_on_batch(model, expert, collate(g, runtime), c, weight_total, traj_total)
+                loss.backward()
+                ce_sum += st["ce_sum"]
+                w_sum += st["w_sum"]
+                if "flow" in st:
+                    flow.append(st["flow"])
+            torch.nn.utils.clip_grad_norm_(vlm_params, c.grad_clip)      # clipped apart: the flow loss's
+            torch.nn.utils.clip_grad_norm_(expert_params, c.grad_clip)   # scale never throttles the VLM
+            opt.step()
+            hist.append({"ce": ce_sum / max(w_sum, 1e-9), "flow": float(np.mean(flow)) if flow else float("nan")})
+            if log and (step % 25 == 0 or step == c.steps - 1):
+                log(f"step {step:4d}/{c.steps}  ce {hist[-1]['ce']:.3f}  flow {hist[-1]['flow']:.3f}  "
+                    f"lr {lr_at(step, c):.1e}  {time.perf_counter() - t0:.0f}s")
+            if callback is not None:
+                callback(step)
+            if c.time_budget_s is not None and time.perf_counter() - t0 > c.time_budget_s:
+                break
+    model.eval()
+    tail = hist[-20:]
+    return {"steps": len(hist), "examples_per_step": dict(sampler.counts),
+            "wall_s": round(time.perf_counter() - t0, 1), "cpu_s": round(time.process_time() - c0, 1),
+            "final_weighted_ce": round(float(np.mean([h["ce"] for h in tail])), 4),
+            "final_flow_mse": round(float(np.nanmean([h["flow"] for h in tail])), 4)}

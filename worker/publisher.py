@@ -1,0 +1,360 @@
+"""Results and dead letters to Kafka, and the consumer offsets that say they are done.
+
+Offsets (:class:`OffsetTracker`)
+--------------------------------
+Every fetched record is *pending* on its partition until its output (one result or one dead
+letter) is acknowledged. The committable offset of a partition is the lowest pending offset, or
+(nothing pending) the highest fetched offset + 1: i.e. the highest *contiguous* completed offset
++ 1, which also steps over offset gaps (transaction markers, compaction). A record whose output
+is not acknowledged - still in the engine, abandoned on a revoke, lost in a crash - therefore
+holds the partition's commit back, and is re-delivered.
+
+Each assignment of a partition gets a new *epoch*; work fetched under an older epoch (the
+partition was revoked meanwhile) is dropped instead of published.
+
+Guarantees (:class:`Publisher`)
+-------------------------------
+* ``at_least_once``: idempotent producer, ``acks=all``. A flush sends every queued output,
+  waits for all acknowledgements, marks their offsets done and only then commits the
+  committable offsets (``consumer.commit``). A crash between ack and commit re-delivers: a
+  duplicate result, never a lost one.
+* ``exactly_once``: transactional producer (``transactional_id`` derived from the static group
+  instance id, so a restarted worker fences its zombie). A flush is one transaction: the outputs
+  plus ``send_offsets_to_transaction`` of the offsets they complete. Readers use
+  ``read_committed``; an aborted or crashed transaction leaves neither outputs nor offsets.
+  Outputs are published per partition in offset order: an output whose partition still has an
+  earlier record unfinished is held back until that record's output is ready, so a transaction
+  never commits a result beyond its partition's committed offset (a restart would otherwise
+  re-process it and commit a second result). The price is head-of-line waiting within a
+  partition; at_least_once publishes as soon as an output is ready.
+
+A send or transaction failure is fatal (:class:`PublishError`): the worker exits non-zero
+without committing, and the records are re-delivered to the restarted worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from schemas import DeadLetter, InferResult, dead_letter_key, encode_dead_letter, encode_result, result_key
+
+__all__ = ["TP", "Output", "OffsetTracker", "Publisher", "PublishError", "MAX_MESSAGE_BYTES",
+           "result_output", "dead_letter_output"]
+
+log = logging.getLogger("alpamayo.publisher")
+
+TP = tuple[str, int]
+MAX_MESSAGE_BYTES = 1_000_000
+"""Largest output value produced (the broker's default message.max.bytes is 1,048,588)."""
+
+
+class PublishError(RuntimeError):
+    """Outputs could not be published/committed; the worker must stop without committing more."""
+
+
+# --------------------------------------------------------------------------------------------
+# outputs
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Output:
+    """One message to publish for one source record."""
+
+    tp: TP                      # source partition
+    offset: int                 # source offset
+    epoch: int                  # assignment epoch of the source partition when fetched
+    topic: str                  # destination topic
+    key: bytes
+    value: bytes
+    headers: list[tuple[str, bytes]] = field(default_factory=list)
+    result: InferResult | None = None
+    error_code: str | None = None
+    request_id: str | None = None
+
+
+def result_output(tp: TP, offset: int, epoch: int, topic: str, result: InferResult) -> Output:
+    """Raises ValueError when the encoded result exceeds MAX_MESSAGE_BYTES."""
+    value, headers = encode_result(result)
+    if len(value) > MAX_MESSAGE_BYTES:
+        raise ValueError(f"the result is {len(value)} bytes encoded, above the {MAX_MESSAGE_BYTES}-byte message limit")
+    return Output(tp, offset, epoch, topic, result_key(result.request_id), value, headers, result=result,
+                  request_id=result.request_id)
+
+
+def dead_letter_output(tp: TP, offset: int, epoch: int, topic: str, dl: DeadLetter) -> Output:
+    value, headers = encode_dead_letter(dl)
+    return Output(tp, offset, epoch, topic, dead_letter_key(dl), value, headers, error_code=dl.error_code.value,
+                  request_id=dl.request_id)
+
+
+# --------------------------------------------------------------------------------------------
+# offsets
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Partition:
+    epoch: int
+    pending: set[int] = field(default_factory=set)
+    low: int | None = None           # lowest offset fetched (the group's position when assigned)
+    high: int | None = None          # highest offset fetched
+    committed: int | None = None     # last offset committed by this worker (or read from the group)
+
+
+class OffsetTracker:
+    """Pending/done offsets per assigned partition (event-loop only; not thread-safe)."""
+
+    def __init__(self) -> None:
+        self._parts: dict[TP, _Partition] = {}
+        self._epochs: dict[TP, int] = {}
+
+    # assignment
+    def assign(self, tp: TP) -> int:
+        epoch = self._epochs.get(tp, 0) + 1
+        self._epochs[tp] = epoch
+        self._parts[tp] = _Partition(epoch)
+        return epoch
+
+    def revoke(self, tp: TP) -> int:
+        """Forget the partition; returns how many offsets were still pending (abandoned)."""
+        part = self._parts.pop(tp, None)
+        return len(part.pending) if part else 0
+
+    @property
+    def assigned(self) -> list[TP]:
+        return list(self._parts)
+
+    def epoch(self, tp: TP) -> int | None:
+        part = self._parts.get(tp)
+        return part.epoch if part else None
+
+    def is_current(self, tp: TP, epoch: int) -> bool:
+        part = self._parts.get(tp)
+        return part is not None and part.epoch == epoch
+
+    # records
+    def add(self, tp: TP, offset: int) -> int | None:
+        """A fetched record; returns the epoch, or None when the partition is not assigned."""
+        part = self._parts.get(tp)
+        if part is None:
+            return None
+        part.pending.add(offset)
+        if part.high is None or offset > part.high:
+            part.high = offset
+        if part.low is None or offset < part.low:
+            part.low = offset
+        return part.epoch
+
+    def done(self, tp: TP, offset: int, epoch: int) -> bool:
+        part = self._parts.get(tp)
+        if part is None or part.epoch != epoch:
+            return False
+        part.pending.discard(offset)
+        return True
+
+    @property
+    def inflight(self) -> int:
+        return sum(len(p.pending) for p in self._parts.values())
+
+    def pending(self, tp: TP) -> set[int]:
+        part = self._parts.get(tp)
+        return set(part.pending) if part else set()
+
+    # commits
+    def committable(self, extra_done: set[tuple[TP, int]] = frozenset(),
+                    only: set[TP] | None = None) -> dict[TP, int]:
+        """{tp: offset to commit} for partitions whose committable offset moved past the last commit.
+
+        ``extra_done``: (tp, offset) pairs to treat as done (an exactly-once transaction about to
+        carry their outputs)."""
+        out: dict[TP, int] = {}
+        for tp, part in self._parts.items():
+            if only is not None and tp not in only:
+                continue
+            if part.high is None:
+                continue
+            pending = [o for o in part.pending if (tp, o) not in extra_done] if extra_done else part.pending
+            target = min(pending) if pending else part.high + 1
+            if target > (part.committed if part.committed is not None else part.low):
+                out[tp] = target
+        return out
+
+    def mark_committed(self, offsets: dict[TP, int]) -> None:
+        for tp, off in offsets.items():
+            part = self._parts.get(tp)
+            if part is not None and (part.committed is None or off > part.committed):
+                part.committed = off
+
+    def committed(self, tp: TP) -> int | None:
+        part = self._parts.get(tp)
+        return part.committed if part else None
+
+    def note_committed(self, tp: TP, offset: int | None) -> None:
+        """The group's committed offset as read from Kafka (for lag before our first commit)."""
+        part = self._parts.get(tp)
+        if part is not None and part.committed is None and offset is not None and offset >= 0:
+            part.committed = offset
+
+
+# --------------------------------------------------------------------------------------------
+# publisher
+# --------------------------------------------------------------------------------------------
+
+
+class Publisher:
+    """Publishes queued outputs and commits offsets; one flush at a time (a lock).
+
+    ``producer``/``consumer``: started aiokafka clients (the producer transactional in
+    exactly_once mode). ``metrics``: a WorkerMetrics (or None).
+    """
+
+    def __init__(self, producer, consumer, tracker: OffsetTracker, group_id: str, exactly_once: bool,
+                 metrics=None, tp_factory=None):
+        self.producer = producer
+        self.consumer = consumer
+        self.tracker = tracker
+        self.group_id = group_id
+        self.exactly_once = exactly_once
+        self.metrics = metrics
+        self._queue: list[Output] = []
+        self._held: list[Output] = []       # exactly_once: ready, but behind an unfinished earlier offset
+        self._lock = asyncio.Lock()
+        self._wakeup = asyncio.Event()
+        self._closed = False
+        self._progress = asyncio.Event()
+        if tp_factory is None:
+            from aiokafka import TopicPartition as tp_factory  # noqa: N813
+        self._tp = tp_factory
+        self.published = 0
+        self.dropped_stale = 0
+
+    # ------------------------------------------------------------------ queue
+    def submit(self, outputs: list[Output]) -> None:
+        if outputs:
+            self._queue.extend(outputs)
+            self._wakeup.set()
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def _take(self) -> list[Output]:
+        batch, self._queue = self._queue, []
+        fresh = [o for o in batch if self.tracker.is_current(o.tp, o.epoch)]
+        self.dropped_stale += len(batch) - len(fresh)
+        return fresh
+
+    async def run(self) -> None:
+        """Flush whenever outputs are queued, until :meth:`close`. Raises PublishError."""
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            if self._queue:
+                await self.flush()
+            if self._closed and not self._queue:
+                return
+
+    def close(self) -> None:
+        self._closed = True
+        self._wakeup.set()
+
+    async def wait_progress(self, timeout: float) -> None:
+        """Return after the next flush (or the timeout)."""
+        self._progress.clear()
+        try:
+            await asyncio.wait_for(self._progress.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    # ------------------------------------------------------------------ flush
+    async def flush(self) -> dict[TP, int]:
+        """Publish everything queued, then commit what is complete; returns the offsets committed."""
+        async with self._lock:
+            batch = self._take()
+            if self.exactly_once:
+                committed = await self._flush_transaction(batch)
+            else:
+                committed = await self._flush_acked(batch)
+            self._progress.set()
+            log.debug("flushed %d outputs, committed %s", len(batch), committed)
+            return committed
+
+    def _account(self, batch: list[Output]) -> None:
+        self.published += len(batch)
+        if self.metrics is None:
+            return
+        for o in batch:
+            if o.result is not None:
+                self.metrics.observe_result(o.result)
+            elif o.error_code is not None:
+                self.metrics.observe_dead_letter(o.error_code)
+
+    def _assigned(self) -> set[TP]:
+        try:
+            return {(tp.topic, tp.partition) for tp in self.consumer.assignment()}
+        except Exception:
+            return set()
+
+    async def _flush_acked(self, batch: list[Output]) -> dict[TP, int]:
+        if batch:
+            try:
+                futures = [await self.producer.send(o.topic, o.value, key=o.key, headers=o.headers) for o in batch]
+                await asyncio.gather(*futures)
+            except Exception as exc:
+                raise PublishError(f"publishing {len(batch)} outputs failed: {type(exc).__name__}: {exc}") from exc
+            for o in batch:
+                self.tracker.done(o.tp, o.offset, o.epoch)
+            self._account(batch)
+        offsets = self.tracker.committable(only=self._assigned())
+        if not offsets:
+            return {}
+        try:
+            await self.consumer.commit({self._tp(t, p): off for (t, p), off in offsets.items()})
+        except Exception as exc:  # rebalance in progress, coordinator moved: re-delivery, never loss
+            log.warning("offset commit failed (%s: %s); the records will be re-delivered",
+                        type(exc).__name__, exc)
+            return {}
+        self.tracker.mark_committed(offsets)
+        return offsets
+
+    def _in_offset_order(self, batch: list[Output]) -> list[Output]:
+        """The outputs that extend their partition's contiguous completed prefix; the rest is held."""
+        candidates = [o for o in self._held if self.tracker.is_current(o.tp, o.epoch)] + batch
+        self.dropped_stale += len(self._held) + len(batch) - len(candidates)
+        ready_offsets: dict[TP, set[int]] = {}
+        for o in candidates:
+            ready_offsets.setdefault(o.tp, set()).add(o.offset)
+        frontier = {tp: min(self.tracker.pending(tp) - offs, default=None) for tp, offs in ready_offsets.items()}
+        publish, self._held = [], []
+        for o in candidates:
+            f = frontier[o.tp]
+            (publish if f is None or o.offset < f else self._held).append(o)
+        return publish
+
+    async def _flush_transaction(self, batch: list[Output]) -> dict[TP, int]:
+        batch = self._in_offset_order(batch)
+        done = {(o.tp, o.offset) for o in batch}
+        offsets = self.tracker.committable(extra_done=done, only=self._assigned())
+        if not batch and not offsets:
+            return {}
+        try:
+            async with self.producer.transaction():
+                for o in batch:
+                    await self.producer.send(o.topic, o.value, key=o.key, headers=o.headers)
+                if offsets:
+                    await self.producer.send_offsets_to_transaction(
+                        {self._tp(t, p): off for (t, p), off in offsets.items()}, self.group_id)
+        except Exception as exc:
+            raise PublishError(f"transaction of {len(batch)} outputs failed: {type(exc).__name__}: {exc}") from exc
+        for o in batch:
+            self.tracker.done(o.tp, o.offset, o.epoch)
+        self.tracker.mark_committed(offsets)
+        self._account(batch)
+        return offsets

@@ -1,0 +1,637 @@
+"""The worker process: one asyncio loop (uvloop) per GPU tying intake, batcher, engine and
+publisher together, plus the HTTP side port.
+
+Lifecycle
+---------
+1. Side port up (live; ready = 503).
+2. Engine: prepare (checkpoint + head checks), load, warm every configured K - on the engine
+   thread, so the side port answers meanwhile. A refused checkpoint/head exits 2.
+3. Producer started first (exactly_once: InitProducerId fences a zombie of the same
+   transactional id and completes its open transaction), then the consumer: manual commits,
+   static membership (``group_instance_id``), ``read_committed``, a rebalance listener.
+4. Ready (200). Only now is anything fetched.
+5. Tasks: fetch (getmany, bounded in-flight with pause/resume) -> intake thread (decode, claim
+   check, images) -> batcher -> engine thread (one batch at a time; heartbeats never wait for it)
+   -> publisher (results + dead letters, then offsets) ; monitor (consumer lag, GPU memory).
+6. SIGTERM/SIGINT: not ready, stop fetching, flush the batcher, wait until every fetched record
+   is published and committed (at most ``ALPAMAYO_DRAIN_TIMEOUT_S``), close, exit 0. Work not
+   finished by then is not committed and is re-delivered.
+
+Rebalance (eager, as aiokafka does it): on revoke, queued jobs of the revoked partitions are
+abandoned (re-delivered to the next owner), the batch running on the engine is waited for (at
+most the drain timeout), whatever finished is published and its offsets committed, then the
+partitions' state is dropped - later completions of their work are discarded, so no offset is
+ever committed for unpublished work.
+
+Embedding: :func:`run_worker` (coroutine), :class:`WorkerThread` (own loop on a thread, for
+in-process use), :func:`spawn_worker` + :func:`wait_ready` (subprocess ``python -m worker serve``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from schemas import ContractError, DeadLetter, ErrorCode, Lineage
+from worker.batcher import Batcher
+from worker.config import Settings
+from worker.http import HealthState, SidePort
+from worker.intake import Intake, Job
+from worker.metrics import WorkerMetrics
+from worker.publisher import OffsetTracker, Output, Publisher, PublishError, dead_letter_output, result_output
+
+__all__ = ["WorkerService", "run_worker", "serve", "load_engine", "WorkerThread", "spawn_worker", "wait_ready",
+           "EXIT_OK", "EXIT_FAILED", "EXIT_REFUSED"]
+
+log = logging.getLogger("alpamayo.worker")
+
+EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
+FETCH_TIMEOUT_MS = 200
+MONITOR_INTERVAL_S = 2.0
+INTAKE_THREADS = 2
+_FIELD_FOR_CODE = {"bad_image": "$.images", "missing_egomotion": "$.egomotion",
+                   "missing_future_egomotion": "$.future_egomotion", "k_not_served": "$.num_traj_samples"}
+
+
+def load_engine(engine, settings: Settings) -> None:
+    """prepare + load + (test knob: reasoning cap) + warm every K. Blocking."""
+    engine.prepare()
+    engine.load(warmup=False)
+    if settings.max_reasoning_tokens is not None and getattr(engine, "runtime", None) is not None:
+        engine.runtime.trajectory_max_new = int(settings.max_reasoning_tokens)
+    t0 = time.perf_counter()
+    engine.runtime.warmup(list(settings.k_values))
+    log.info("warmed K=%s in %.1fs", list(settings.k_values), time.perf_counter() - t0)
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    """Startup refusals (bad checkpoint/head/config) exit 2 with one line."""
+    return type(exc).__name__ in ("HeadError", "CheckpointError", "ConfigError")
+
+
+def _instance_id(settings: Settings) -> str:
+    return settings.group_instance_id or settings.worker_id
+
+
+def transactional_id(settings: Settings) -> str:
+    """Stable per static member: a restarted worker fences its own zombie."""
+    return f"{settings.group_id}.{_instance_id(settings)}"
+
+
+def kafka_security(settings: Settings) -> dict:
+    kw: dict = {"security_protocol": settings.security_protocol}
+    if settings.security_protocol in ("SSL", "SASL_SSL"):
+        from aiokafka.helpers import create_ssl_context
+
+        kw["ssl_context"] = create_ssl_context(cafile=str(settings.ssl_cafile) if settings.ssl_cafile else None)
+    if settings.security_protocol.startswith("SASL"):
+        kw.update(sasl_mechanism=settings.sasl_mechanism, sasl_plain_username=settings.sasl_username,
+                  sasl_plain_password=settings.sasl_password)
+    return kw
+
+
+class _Listener:
+    """aiokafka ConsumerRebalanceListener forwarding to the service (built lazily: aiokafka import)."""
+
+    @staticmethod
+    def make(service: "WorkerService"):
+        from aiokafka.abc import ConsumerRebalanceListener
+
+        class Listener(ConsumerRebalanceListener):
+            async def on_partitions_revoked(self, revoked):
+                await service._on_revoked(revoked)
+
+            async def on_partitions_assigned(self, assigned):
+                service._on_assigned(assigned)
+
+        return Listener()
+
+
+class WorkerService:
+    def __init__(self, settings: Settings, engine=None, *, engine_loader=load_engine,
+                 install_signal_handlers: bool = True, on_ready=None):
+        self.settings = settings
+        if engine is None:
+            from worker.engine import Engine
+
+            engine = Engine(settings)
+        self.engine = engine
+        self.engine_loader = engine_loader
+        self.install_signal_handlers = install_signal_handlers
+        self.on_ready = on_ready
+        spec = settings.speculative and settings.spec_metrics != "none"
+        self.metrics = WorkerMetrics(spec_counters=spec)
+        self.state = HealthState(self.metrics, self.engine.models_payload)
+        self.side = SidePort(self.state, settings.http_host, settings.http_port)
+        self.tracker = OffsetTracker()
+        self.batcher: Batcher[Job] = Batcher(lambda j: j.group, settings.max_batch_size, settings.max_batch_wait_ms)
+        self.exactly_once = settings.processing_guarantee == "exactly_once"
+        self.consumer = self.producer = self.publisher = None
+        self.intake = Intake(settings, getattr(engine, "default_seed", None) or _default_seed)
+        self._engine_pool = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._intake_pool = ThreadPoolExecutor(INTAKE_THREADS, thread_name_prefix="intake")
+        self._stop = asyncio.Event()
+        self._fetching = True
+        self._paused = False
+        self._running: list[Job] = []
+        self._revoking: set[tuple[str, int]] = set()
+        self._engine_idle = asyncio.Event()
+        self._engine_idle.set()
+        self._fatal: BaseException | None = None
+        self.engine_busy = False
+        self.exit_code: int | None = None
+
+    # ------------------------------------------------------------------ control
+    def request_stop(self) -> None:
+        """Begin the drain (signal handlers, WorkerThread.stop). Event-loop thread only."""
+        if not self._stop.is_set():
+            log.info("stop requested: draining (at most %.0fs)", self.settings.drain_timeout_s)
+        self._stop.set()
+
+    @property
+    def port(self) -> int | None:
+        return self.side.bound_port
+
+    # ------------------------------------------------------------------ main
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        if self.install_signal_handlers:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.request_stop)
+        await self.side.start()
+        try:
+            code = await self._run_loaded(loop)
+        finally:
+            await self.side.stop()
+            self._intake_pool.shutdown(wait=False, cancel_futures=True)
+            self._engine_pool.shutdown(wait=False, cancel_futures=True)
+        self.exit_code = code
+        return code
+
+    async def _run_loaded(self, loop) -> int:
+        s = self.settings
+        # -- engine: load and warm on the engine thread --------------------------------------
+        self.engine_busy = True
+        load = loop.run_in_executor(self._engine_pool, self.engine_loader, self.engine, s)
+        stop_wait = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait({load, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        if not load.done():
+            log.info("stopped while loading")
+            self.state.set_ready(False, "draining")
+            return EXIT_OK
+        stop_wait.cancel()
+        self.engine_busy = False
+        exc = load.exception()
+        if exc is not None:
+            self.state.set_ready(False, "failed")
+            if _is_refusal(exc):      # one line, as for configuration errors
+                print(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, file=sys.stderr, flush=True)
+                return EXIT_REFUSED
+            log.error("engine failed to load: %s: %s", type(exc).__name__, exc, exc_info=exc)
+            return EXIT_FAILED
+        # -- kafka ---------------------------------------------------------------------------
+        try:
+            await self._start_kafka()
+        except Exception as exc:
+            log.error("Kafka clients failed to start: %s: %s", type(exc).__name__, exc)
+            await self._close_kafka()
+            self.state.set_ready(False, "failed")
+            return EXIT_FAILED
+        if self._stop.is_set():
+            await self._close_kafka()
+            return EXIT_OK
+        self.state.detail = {"worker_id": s.worker_id, "group_instance_id": _instance_id(s)}
+        self.state.set_ready(True, "ready")
+        log.info("ready: http://%s:%s (profile %s, K=%s, %s, group %s, instance %s)", s.http_host, self.port,
+                 s.profile, list(s.k_values), s.processing_guarantee, s.group_id, _instance_id(s))
+        if self.on_ready is not None:
+            self.on_ready(self)
+        # -- run -----------------------------------------------------------------------------
+        tasks = {
+            asyncio.create_task(self._fetch_loop(loop), name="fetch"),
+            asyncio.create_task(self._batch_loop(loop), name="batch"),
+            asyncio.create_task(self.publisher.run(), name="publish"),
+            asyncio.create_task(self._monitor_loop(), name="monitor"),
+        }
+        stop_wait = asyncio.create_task(self._stop.wait(), name="stop")
+        done, _ = await asyncio.wait(tasks | {stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        failed = [t for t in done if t is not stop_wait and (t.cancelled() or t.exception() is not None)]
+        if failed or (done - {stop_wait}):
+            t = next(iter(failed or (done - {stop_wait})))
+            err = t.exception() if not t.cancelled() else None
+            self._fatal = err or RuntimeError(f"task {t.get_name()} ended")
+            log.error("fatal: %s: %s (nothing more is committed; unfinished records will be re-delivered)",
+                      type(self._fatal).__name__, self._fatal, exc_info=err)
+            self.state.set_ready(False, "failed")
+            for task in tasks | {stop_wait}:
+                task.cancel()
+            await asyncio.gather(*tasks, stop_wait, return_exceptions=True)
+            await self._close_kafka()
+            return EXIT_FAILED
+        code = await self._drain(tasks)
+        await self._close_kafka()
+        return code
+
+    # ------------------------------------------------------------------ kafka clients
+    async def _start_kafka(self) -> None:
+        from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+        s = self.settings
+        sec = kafka_security(s)
+        pkw = dict(bootstrap_servers=s.bootstrap_servers, client_id=f"alpamayo-{s.worker_id}", acks="all",
+                   enable_idempotence=True, linger_ms=5, **sec)
+        if self.exactly_once:
+            pkw["transactional_id"] = transactional_id(s)
+        self.producer = AIOKafkaProducer(**pkw)
+        await self.producer.start()      # exactly_once: fences the previous incarnation first
+        revoke_s = self._revoke_timeout()
+        self.consumer = AIOKafkaConsumer(
+            bootstrap_servers=s.bootstrap_servers, group_id=s.group_id, group_instance_id=_instance_id(s),
+            client_id=f"alpamayo-{s.worker_id}", enable_auto_commit=False, auto_offset_reset="earliest",
+            isolation_level="read_committed",
+            max_partition_fetch_bytes=max(1 << 20, min(s.max_request_bytes + (64 << 10), 128 << 20)),
+            rebalance_timeout_ms=int((revoke_s + 30) * 1000), **sec)
+        self.consumer.subscribe([s.request_topic], listener=_Listener.make(self))
+        await self.consumer.start()
+        self.publisher = Publisher(self.producer, self.consumer, self.tracker, s.group_id, self.exactly_once,
+                                   self.metrics)
+
+    async def _close_kafka(self) -> None:
+        for client in (self.consumer, self.producer):
+            if client is None:
+                continue
+            try:
+                await asyncio.wait_for(client.stop(), 15)
+            except Exception as exc:  # closing is best effort
+                log.warning("closing %s: %s: %s", type(client).__name__, type(exc).__name__, exc)
+
+    def _revoke_timeout(self) -> float:
+        return max(1.0, min(self.settings.drain_timeout_s, 120.0))
+
+    # ------------------------------------------------------------------ rebalance
+    def _on_assigned(self, assigned) -> None:
+        for tp in assigned:
+            self.tracker.assign((tp.topic, tp.partition))
+        self._paused = False
+        log.info("assigned %s", sorted(f"{tp.topic}:{tp.partition}" for tp in assigned))
+
+    async def _on_revoked(self, revoked) -> None:
+        tps = {(tp.topic, tp.partition) for tp in revoked}
+        if not tps:
+            return
+        self._revoking |= tps            # no new work of these partitions enters the batcher or the engine
+        abandoned = self.batcher.remove(lambda j: j.tp in tps)
+        self.metrics.queue_depth.set(len(self.batcher))
+        if any(j.tp in tps for j in self._running):
+            try:
+                await asyncio.wait_for(self._engine_idle.wait(), self._revoke_timeout())
+            except TimeoutError:
+                log.warning("revoke: the engine batch did not finish in %.0fs; its work is abandoned",
+                            self._revoke_timeout())
+        if self.publisher is not None and self._fatal is None:
+            try:
+                await self.publisher.flush()
+            except PublishError as exc:
+                self._fatal = exc
+                log.error("revoke: %s", exc)
+                self.request_stop()
+        committed = {tp: self.tracker.committed(tp) for tp in tps}
+        unfinished = sum(self.tracker.revoke(tp) for tp in tps)
+        self._revoking -= tps
+        log.info("revoked %s: committed up to %s, abandoned %d queued, %d unfinished (re-delivered to the next "
+                 "owner)", sorted(f"{t}:{p}" for t, p in tps),
+                 {f"{t}:{p}": o for (t, p), o in sorted(committed.items())}, len(abandoned), unfinished)
+
+    # ------------------------------------------------------------------ fetch + intake
+    async def _fetch_loop(self, loop) -> None:
+        from aiokafka.errors import KafkaError
+
+        s = self.settings
+        while self._fetching and not self._stop.is_set():
+            room = s.max_inflight - self.tracker.inflight
+            assignment = self.consumer.assignment()
+            if room <= 0:
+                if assignment:
+                    self.consumer.pause(*assignment)
+                self._paused = True
+                max_records = 1
+            else:
+                if self._paused:
+                    self.consumer.resume(*assignment)
+                    self._paused = False
+                max_records = room
+            try:
+                data = await self.consumer.getmany(timeout_ms=FETCH_TIMEOUT_MS, max_records=max_records)
+            except KafkaError as exc:
+                log.warning("fetch failed (%s: %s); retrying", type(exc).__name__, exc)
+                await asyncio.sleep(1.0)
+                continue
+            if not data:
+                continue
+            now = time.time()
+            for tp, records in data.items():
+                key = (tp.topic, tp.partition)
+                for rec in records:
+                    epoch = self.tracker.add(key, rec.offset)
+                    if epoch is None:       # partition no longer ours
+                        continue
+                    fut = loop.run_in_executor(self._intake_pool, self.intake.process, rec, now)
+                    fut.add_done_callback(lambda f, rec=rec, epoch=epoch: self._on_intake(f, rec, epoch))
+
+    def _on_intake(self, fut, rec, epoch: int) -> None:
+        tp = (rec.topic, rec.partition)
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        out = exc if exc is not None else fut.result()
+        if not self.tracker.is_current(tp, epoch) or tp in self._revoking or self.batcher.closed:
+            return                         # revoked meanwhile (the next owner gets it) or shut down
+        if isinstance(out, Job):
+            out.epoch = epoch
+            self.batcher.put(out)
+            self.metrics.queue_depth.set(len(self.batcher))
+            return
+        if not isinstance(out, DeadLetter):   # intake never raises; belt and braces
+            out = self.intake.dead_letter(out if isinstance(out, BaseException) else RuntimeError(str(out)), rec)
+        self.publisher.submit([dead_letter_output(tp, rec.offset, epoch, self.settings.dead_letter_topic, out)])
+
+    # ------------------------------------------------------------------ engine
+    async def _batch_loop(self, loop) -> None:
+        while True:
+            picked = await self.batcher.get()
+            self.metrics.queue_depth.set(len(self.batcher))
+            if picked is None:
+                return
+            (task, k), jobs = picked
+            jobs = [j for j in jobs if self.tracker.is_current(j.tp, j.epoch) and j.tp not in self._revoking]
+            if not jobs:
+                continue
+            self.metrics.observe_batch(task, k, len(jobs))
+            log.debug("batch %s K=%d: %s", task, k, [j.request_id for j in jobs])
+            self._running = jobs
+            self._engine_idle.clear()
+            self.engine_busy = True
+            try:
+                outputs = await loop.run_in_executor(self._engine_pool, self._run_batch, jobs)
+            finally:
+                self.engine_busy = False
+            log.debug("batch done: %s", [(o.request_id, o.error_code or "result") for o in outputs])
+            self.publisher.submit(outputs)
+            self._running = []
+            self._engine_idle.set()
+
+    def _run_batch(self, jobs: list[Job]) -> list[Output]:
+        """Engine thread: infer, then build and encode each job's result (or dead letter)."""
+        start = time.time()
+        try:
+            results = self.engine.infer([j.scene for j in jobs])
+            if len(results) != len(jobs):
+                raise RuntimeError(f"engine returned {len(results)} results for {len(jobs)} scenes")
+        except Exception as exc:
+            if len(jobs) == 1:
+                results = [exc]
+            else:   # isolate the culprit: one failing scene must not fail its batch-mates
+                log.warning("batch of %d failed (%s: %s); retrying scene by scene", len(jobs), type(exc).__name__,
+                            exc)
+                results = []
+                for j in jobs:
+                    try:
+                        results.extend(self.engine.infer([j.scene]))
+                    except Exception as one:
+                        results.append(one)
+        return [self._output(job, res, start) for job, res in zip(jobs, results, strict=True)]
+
+    def _output(self, job: Job, res, start: float) -> Output:
+        s = self.settings
+        err: BaseException | None = None
+        if isinstance(res, BaseException):
+            err = ContractError(ErrorCode.INFERENCE_FAILED, "$", f"{type(res).__name__}: {res}"[:1000])
+        elif getattr(res, "error", None):
+            code, msg = res.error
+            try:
+                code = ErrorCode(code)
+            except ValueError:
+                code = ErrorCode.INFERENCE_FAILED
+            err = ContractError(code, _FIELD_FOR_CODE.get(code.value, "$"), str(msg)[:1000])
+        if err is None:
+            try:
+                res.timings_ms["image_prep"] = res.timings_ms.get("image_prep", 0.0) + job.image_prep_ms
+                lineage = Lineage(topic=job.topic, partition=job.partition, offset=job.offset, worker_id=s.worker_id)
+                queue_ms = max(0.0, (start - job.origin_at) * 1000.0)
+                total_ms = max(queue_ms, (time.time() - job.origin_at) * 1000.0)
+                result = self.engine.to_result(job.request, res, lineage, queue_ms, total_ms, job.warnings)
+                return result_output(job.tp, job.offset, job.epoch, s.result_topic, result)
+            except ValueError as exc:
+                err = ContractError(ErrorCode.INFERENCE_FAILED, "$", str(exc)[:1000])
+            except Exception as exc:
+                err = ContractError(ErrorCode.INTERNAL_ERROR, "$", f"{type(exc).__name__}: {exc}"[:1000])
+        dl = job.dead_letter(err, s.worker_id)
+        return dead_letter_output(job.tp, job.offset, job.epoch, s.dead_letter_topic, dl)
+
+    # ------------------------------------------------------------------ monitor
+    async def _monitor_loop(self) -> None:
+        while True:
+            try:
+                await self._update_lag()
+            except Exception as exc:  # monitoring must never stop the worker
+                log.debug("lag update failed: %s: %s", type(exc).__name__, exc)
+            self.metrics.gpu_memory.set(_gpu_memory(self.engine))
+            await asyncio.sleep(MONITOR_INTERVAL_S)
+
+    async def _update_lag(self) -> None:
+        from aiokafka import TopicPartition
+
+        assignment = list(self.consumer.assignment())
+        if not assignment:
+            self.metrics.set_lag({})
+            return
+        ends = await self.consumer.end_offsets(assignment)
+        lags = {}
+        for tp in assignment:
+            key = (tp.topic, tp.partition)
+            committed = self.tracker.committed(key)
+            if committed is None:
+                committed = await self.consumer.committed(TopicPartition(*key))
+                self.tracker.note_committed(key, committed)
+            if committed is None:
+                committed = (await self.consumer.beginning_offsets([tp])).get(tp, 0)
+            lags[key] = int(ends.get(tp, 0)) - int(committed)
+        self.metrics.set_lag(lags)
+
+    # ------------------------------------------------------------------ drain
+    async def _drain(self, tasks) -> int:
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + s.drain_timeout_s
+        self.state.set_ready(False, "draining")
+        self._fetching = False
+        fetch = next(t for t in tasks if t.get_name() == "fetch")
+        try:
+            await asyncio.wait_for(asyncio.shield(fetch), max(0.1, deadline - loop.time()))
+        except (TimeoutError, Exception):
+            fetch.cancel()
+        # the last getmany may have handed records to intake threads: let them land in the batcher
+        self.batcher.flush(True)
+        while self.tracker.inflight > 0 and loop.time() < deadline and self._fatal is None:
+            publish = next(t for t in tasks if t.get_name() == "publish")
+            if publish.done():
+                break
+            await self.publisher.wait_progress(min(0.5, max(0.01, deadline - loop.time())))
+        left = self.tracker.inflight
+        code = EXIT_OK
+        if self._fatal is None:
+            try:
+                await asyncio.wait_for(self.publisher.flush(), max(1.0, deadline - loop.time() + 5))
+            except Exception as exc:
+                log.error("final flush failed: %s: %s", type(exc).__name__, exc)
+                code = EXIT_FAILED
+            left = self.tracker.inflight
+        else:
+            code = EXIT_FAILED
+        if left:
+            log.warning("drain timeout: %d fetched records unfinished; not committed, they will be re-delivered",
+                        left)
+        else:
+            log.info("drained: every fetched record published and committed")
+        self.batcher.close()
+        self.publisher.close()
+        for t in tasks:
+            if t.get_name() in ("monitor", "batch", "fetch") or left:
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return code
+
+
+def _default_seed(request_id: str) -> int:
+    from worker.engine import default_seed
+
+    return default_seed(request_id)
+
+
+def _gpu_memory(engine) -> int:
+    rt = getattr(engine, "runtime", None)
+    dev = getattr(rt, "device", None)
+    if dev is None or getattr(dev, "type", "cpu") != "cuda":
+        return 0
+    try:
+        import torch
+
+        return int(torch.cuda.memory_reserved(dev))
+    except Exception:
+        return 0
+
+
+# --------------------------------------------------------------------------------------------
+# entry points
+# --------------------------------------------------------------------------------------------
+
+
+async def run_worker(settings: Settings, engine=None, *, install_signal_handlers: bool = True,
+                     on_ready=None) -> int:
+    """Run the worker until stopped; returns the exit code (0 drained, 1 failed, 2 refused)."""
+    return await WorkerService(settings, engine, install_signal_handlers=install_signal_handlers,
+                               on_ready=on_ready).run()
+
+
+def serve(settings: Settings) -> int:
+    """The ``alpamayo-worker serve`` process body on uvloop."""
+    import uvloop
+
+    service = WorkerService(settings)
+    code = uvloop.run(service.run())
+    if service.engine_busy:     # a drain timeout left the engine thread running: do not wait for it
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+class WorkerThread:
+    """The worker on its own event loop in a background thread (in-process use: demo, tests)::
+
+        w = WorkerThread(settings).start(); w.wait_ready(120); ...; code = w.stop()
+    """
+
+    def __init__(self, settings: Settings, engine=None, engine_loader=load_engine):
+        self.settings = settings
+        self.engine = engine
+        self.engine_loader = engine_loader
+        self.service: WorkerService | None = None
+        self.exit_code: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="alpamayo-worker", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> "WorkerThread":
+        self._thread.start()
+        return self
+
+    def _main(self) -> None:
+        import uvloop
+
+        async def main():
+            self._loop = asyncio.get_running_loop()
+            self.service = WorkerService(self.settings, self.engine, engine_loader=self.engine_loader,
+                                         install_signal_handlers=False, on_ready=lambda _s: self._ready.set())
+            return await self.service.run()
+
+        try:
+            self.exit_code = uvloop.run(main())
+        except BaseException as exc:  # surfaced by wait_ready/stop
+            self.error = exc
+            self.exit_code = EXIT_FAILED
+        finally:
+            self._ready.set()
+
+    @property
+    def port(self) -> int | None:
+        return self.service.port if self.service else None
+
+    def wait_ready(self, timeout: float = 300.0) -> bool:
+        """True once ready; False when the worker ended (see exit_code/error) or on timeout."""
+        self._ready.wait(timeout)
+        return self._ready.is_set() and self.exit_code is None
+
+    def stop(self, timeout: float | None = None) -> int | None:
+        """SIGTERM-equivalent: drain and wait for the exit code."""
+        if self._loop is not None and self.service is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self.service.request_stop)
+        self._thread.join(timeout if timeout is not None else self.settings.drain_timeout_s + 30)
+        return self.exit_code
+
+
+def spawn_worker(env: dict[str, str], *, python: str | None = None, cwd: str | os.PathLike | None = None,
+                 stdout=None, stderr=None) -> subprocess.Popen:
+    """Start ``python -m worker serve`` with ``env`` (merged over os.environ)."""
+    root = Path(__file__).resolve().parents[1]
+    full = {**os.environ, **env}
+    full["PYTHONPATH"] = str(root) + (os.pathsep + full["PYTHONPATH"] if full.get("PYTHONPATH") else "")
+    return subprocess.Popen([python or sys.executable, "-m", "worker", "serve"], env=full, cwd=cwd or root,
+                            stdout=stdout, stderr=stderr)
+
+
+def wait_ready(url: str, timeout: float = 300.0, proc: subprocess.Popen | None = None) -> None:
+    """Poll ``{url}/v1/health/ready`` until 200. Raises TimeoutError, or RuntimeError if ``proc`` exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"worker exited with code {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + "/v1/health/ready", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"worker at {url} not ready after {timeout:.0f}s")
