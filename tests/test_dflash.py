@@ -274,3 +274,19 @@ def test_speculative_block_arithmetic(runtimes):
     assert len(b["per_step_accepted"]) == b["num_spec_steps"] == len(b["per_step_drafted"])
     # K = 3: steps of every sample, each sample took at least one verify step
     assert s.steps >= 3
+
+
+def test_dflash_persistent_cache_path_is_lossless(ckpt, head, runtimes):
+    """The CUDA-graph layout (persistent target and draft caches, padded row buckets, attention
+    over the whole capacity), run eagerly on CPU, keeps DFlash2 lossless."""
+    base, _ = runtimes
+    spec = AlpamayoRuntime.load(ckpt, device="cpu", dtype=torch.float32,
+                                speculator_factory=DFlash2Speculator.factory(str(head)))
+    spec.enable_graphs(max_rows=8, capacity=512)
+    spec.trajectory_max_new = 24
+    reqs = [scene(6, k=3, temperature=0.7, seed=2)]
+    ref = base.run(reqs)[0]
+    got = oracle_run(spec, reqs, [ref.token_ids], error_rate=0.3)[0]
+    assert got.token_ids == ref.token_ids
+    assert got.speculative.accepted > 0
+    assert spec.speculator.proposer.persistent and spec.speculator.proposer.k[0].shape[0] == 8

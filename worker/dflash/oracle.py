@@ -42,6 +42,8 @@ class OracleProposer:
         real = self.inner.propose(batch)                                   # pay the draft's cost
         n = real.shape[1]
         ref = self.reference.to(real.device)
+        if ref.shape[0] < real.shape[0]:                                   # rows padded to a graph bucket
+            ref = torch.cat([ref, ref.new_zeros(real.shape[0] - ref.shape[0], ref.shape[1])])
         idx = (batch.n_generated[:, None] + torch.arange(n, device=real.device)).clamp(max=ref.shape[1] - 1)
         want = ref.gather(1, idx)
         key = torch.full_like(batch.n_generated, self.seed) + torch.arange(real.shape[0], device=real.device)
