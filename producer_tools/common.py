@@ -1,0 +1,182 @@
+"""Helpers shared by the producer tools: Kafka connection settings, atomic files, run ids.
+
+Kafka connection: the tools read the same environment variables as the worker
+(``ALPAMAYO_KAFKA_BOOTSTRAP_SERVERS``, ``ALPAMAYO_KAFKA_SECURITY_PROTOCOL``,
+``ALPAMAYO_KAFKA_SASL_*``, ``ALPAMAYO_KAFKA_SSL_CAFILE``, the three ``ALPAMAYO_*_TOPIC`` names),
+parsed by :func:`worker.config.load_settings`, so a user configures both sides the same way.
+Only the Kafka-related variables are handed to it, so an unrelated worker variable (a model
+profile, say) never stops a producer tool. Command-line flags override the environment.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import secrets
+import ssl
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Iterable, Mapping, NoReturn
+
+__all__ = [
+    "KAFKA_ENV_VARS",
+    "KafkaOptions",
+    "kafka_options",
+    "client_kwargs",
+    "atomic_write_bytes",
+    "fsync_dir",
+    "new_run_id",
+    "percentile",
+    "die",
+    "ToolError",
+    "parse_size",
+]
+
+KAFKA_ENV_VARS = (
+    "ALPAMAYO_KAFKA_BOOTSTRAP_SERVERS",
+    "ALPAMAYO_REQUEST_TOPIC",
+    "ALPAMAYO_RESULT_TOPIC",
+    "ALPAMAYO_DEAD_LETTER_TOPIC",
+    "ALPAMAYO_KAFKA_SECURITY_PROTOCOL",
+    "ALPAMAYO_KAFKA_SASL_MECHANISM",
+    "ALPAMAYO_KAFKA_SASL_USERNAME",
+    "ALPAMAYO_KAFKA_SASL_PASSWORD",
+    "ALPAMAYO_KAFKA_SSL_CAFILE",
+    "ALPAMAYO_CACHE",
+)
+
+
+class ToolError(RuntimeError):
+    """A user-facing failure: printed as one line, exit status 2."""
+
+
+def die(message: str, code: int = 2) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+@dataclass(frozen=True)
+class KafkaOptions:
+    bootstrap_servers: str
+    request_topic: str
+    result_topic: str
+    dead_letter_topic: str
+    security_protocol: str = "PLAINTEXT"
+    sasl_mechanism: str | None = None
+    sasl_username: str | None = None
+    sasl_password: str | None = None
+    ssl_cafile: str | None = None
+
+
+def kafka_options(env: Mapping[str, str] | None = None, **overrides: Any) -> KafkaOptions:
+    """Kafka settings from the worker's environment variables (worker.config), then overrides
+    (None values are ignored). Raises worker.config.ConfigError on bad configuration."""
+    from worker.config import load_settings
+
+    env = os.environ if env is None else env
+    s = load_settings({k: v for k, v in env.items() if k in KAFKA_ENV_VARS})
+    opts = KafkaOptions(
+        bootstrap_servers=s.bootstrap_servers,
+        request_topic=s.request_topic,
+        result_topic=s.result_topic,
+        dead_letter_topic=s.dead_letter_topic,
+        security_protocol=s.security_protocol,
+        sasl_mechanism=s.sasl_mechanism,
+        sasl_username=s.sasl_username,
+        sasl_password=s.sasl_password,
+        ssl_cafile=str(s.ssl_cafile) if s.ssl_cafile else None,
+    )
+    return replace(opts, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def client_kwargs(opts: KafkaOptions) -> dict[str, Any]:
+    """Keyword arguments for any aiokafka client (producer, consumer, admin)."""
+    kw: dict[str, Any] = {"bootstrap_servers": opts.bootstrap_servers, "security_protocol": opts.security_protocol}
+    if opts.security_protocol.startswith("SASL"):
+        kw.update(sasl_mechanism=opts.sasl_mechanism or "SCRAM-SHA-512",
+                  sasl_plain_username=opts.sasl_username, sasl_plain_password=opts.sasl_password)
+    if opts.security_protocol in ("SSL", "SASL_SSL"):
+        kw["ssl_context"] = ssl.create_default_context(cafile=opts.ssl_cafile)
+    return kw
+
+
+# --------------------------------------------------------------------------------------------
+# files
+# --------------------------------------------------------------------------------------------
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so that a rename inside it is durable (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes | Iterable[bytes]) -> Path:
+    """Write to a temp file in the same directory, fsync, rename over ``path``, fsync the directory."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with open(tmp, "wb") as f:
+            if isinstance(data, (bytes, bytearray, memoryview)):
+                f.write(data)
+            else:
+                for chunk in data:
+                    f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# misc
+# --------------------------------------------------------------------------------------------
+
+
+def new_run_id(prefix: str = "run") -> str:
+    """``run-YYYYmmddTHHMMSSZ-<6 hex>``: sortable, unique, in the contract's id character set."""
+    now = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return f"{prefix}-{now}-{secrets.token_hex(3)}"
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100); NaN for no values."""
+    xs = sorted(float(v) for v in values)
+    if not xs:
+        return float("nan")
+    if len(xs) == 1:
+        return xs[0]
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def parse_size(text: str) -> int:
+    """``900KiB``, ``1MiB``, ``1048576``, ``2M`` -> bytes."""
+    t = text.strip()
+    units = {"kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3,
+             "k": 1024, "m": 1024 ** 2, "g": 1024 ** 3, "b": 1}
+    low = t.lower()
+    for u in sorted(units, key=len, reverse=True):
+        if low.endswith(u):
+            num = low[: -len(u)].strip()
+            return int(float(num) * units[u])
+    return int(t)

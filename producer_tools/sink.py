@@ -1,0 +1,754 @@
+"""``alpamayo-producer sink``: result and dead-letter topics -> a Hive-partitioned Parquet lake,
+exactly once.
+
+Layout::
+
+    <lake>/results/run_id=<run>/date=<YYYY-MM-DD>/<topic>+<partition>+<start>-<end>.parquet
+    <lake>/dead_letters/run_id=<run>/date=<YYYY-MM-DD>/<topic>+<partition>+<start>-<end>.parquet
+    <lake>/_sink/locks/<topic>+<partition>.lock
+
+``run_id`` is URI-encoded (``__HIVE_DEFAULT_PARTITION__`` when null); ``date`` is the UTC day of
+the Kafka record timestamp (immutable, so every rewrite of a record picks the same directory).
+Files hold the fixed schemas :data:`RESULT_SCHEMA` / :data:`DEAD_LETTER_SCHEMA` (partition
+columns come from the path; read with :func:`read_lake`).
+
+Exactly once into the lake
+--------------------------
+A *segment* is a contiguous range ``[start, end]`` of one topic-partition (``start``/``end`` are
+offsets of records in it). Its rows are split by Hive directory, and every file of the segment is
+named ``<topic>+<partition>+<start>-<end>.parquet``, so the lake's file names are the sink's
+offset log (the Kafka Connect HDFS recovery idea). The protocol:
+
+1. A file appears under its final name only complete and durable: Parquet bytes to a temp file in
+   the same directory, ``fsync``, ``rename``, ``fsync`` of the directory.
+2. Kafka offsets (``end + 1``) are committed only after every file of the segment is durable
+   (manual commit, ``read_committed`` consumer). The commit only saves re-reading work; the
+   files are the truth.
+3. On assignment of a partition (holding an ``flock`` on its lock file, so a zombie sink still
+   writing it blocks the new owner), the sink lists the lake's files of that topic-partition.
+   Every range ``[s, e]`` found with ``e >=`` the committed offset is *replayed with exactly
+   those bounds*: the records ``s..e`` are re-read (the sink seeks back to ``s`` when the
+   committed offset falls inside a range) and only the files of that range that are missing are
+   written. A file's content is a function of the records of its range and of its directory
+   (the Kafka log is immutable), so a present file already holds exactly the rows a rewrite would.
+4. Records outside every existing range form new segments, cut by ``--rotate-rows`` (per
+   partition), by ``--rotate-seconds`` since the segment's first record, before the start of the
+   next existing range, on revocation and on shutdown. Such records are in no file yet: a file
+   of a range ``[s, e]`` holds only records of ``s..e`` and that range was not found.
+
+Hence every record lands in exactly one file: never twice (a record belongs to one range, which
+is either replayed with its own bounds into the files still missing, or new and in no file), and
+never lost (a range's missing files are written before ``end + 1`` is committed, and a range
+with files is always finished on restart). Wall-clock rotation needs no state file because the
+chosen boundaries are recorded by the file names themselves, and a crash before the first file of
+a segment leaves nothing behind to conflict with. The sink refuses to run when it finds
+overlapping ranges of one topic-partition (only possible if files were copied in by hand or two
+sinks wrote one partition without the lock). Limits: records deleted by retention or compaction
+before a crashed range is replayed cannot be written; the lock needs a file system with working
+``flock`` (local disks, NFSv4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import fcntl
+import io
+import logging
+import os
+import re
+import signal
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+import schemas as S
+from producer_tools.common import KafkaOptions, ToolError, atomic_write_bytes, client_kwargs
+
+log = logging.getLogger("alpamayo.sink")
+
+__all__ = [
+    "RESULT_SCHEMA",
+    "DEAD_LETTER_SCHEMA",
+    "PARTITION_SCHEMA",
+    "TABLES",
+    "NULL_PARTITION",
+    "segment_file_name",
+    "parse_segment_file_name",
+    "hive_dir",
+    "result_row",
+    "dead_letter_row",
+    "rows_to_table",
+    "scan_ranges",
+    "read_lake",
+    "SinkOptions",
+    "LakeSink",
+    "run_sink",
+]
+
+NULL_PARTITION = "__HIVE_DEFAULT_PARTITION__"
+_F32 = pa.float32()
+_STR = pa.string()
+_TS_UTC = pa.timestamp("us", tz="UTC")
+
+_LINEAGE_FIELDS = [
+    pa.field("kafka_topic", _STR, nullable=False),
+    pa.field("kafka_partition", pa.int32(), nullable=False),
+    pa.field("kafka_offset", pa.int64(), nullable=False),
+    pa.field("kafka_timestamp", pa.timestamp("ms", tz="UTC")),
+    pa.field("decode_error", _STR),
+]
+
+RESULT_SCHEMA = pa.schema([
+    pa.field("request_id", _STR),
+    pa.field("task", _STR),
+    pa.field("schema_version", pa.int16()),
+    pa.field("num_samples", pa.int32()),
+    pa.field("labels", pa.map_(_STR, _STR)),
+    pa.field("pred_trajectories", pa.list_(pa.list_(pa.list_(_F32, 3), 64))),   # K x 64 x [x, y, z]
+    pa.field("pred_rotations", pa.list_(pa.list_(pa.list_(_F32, 9), 64))),      # K x 64 x row-major 3x3
+    pa.field("answer", _STR),
+    pa.field("output_texts", pa.list_(_STR)),
+    pa.field("cots", pa.list_(_STR)),
+    pa.field("meta_actions", pa.list_(pa.struct([("longitudinal", _STR), ("lateral", _STR), ("lane", _STR)]))),
+    pa.field("auto_labels", pa.list_(pa.struct([
+        ("critical_components_analysis", _STR), ("ego_vehicle_motion_analysis", _STR),
+        ("trajectory_analysis", _STR), ("chain_of_causation", _STR)]))),
+    pa.field("boxes", pa.list_(pa.list_(pa.struct([("bbox_2d", pa.list_(pa.float64())), ("label", _STR)])))),
+    pa.field("reasoning_texts", pa.list_(_STR)),
+    pa.field("generated_tokens", pa.list_(pa.int32())),
+    pa.field("spec_num_spec_tokens", pa.int32()),
+    pa.field("spec_num_spec_steps", pa.int64()),
+    pa.field("spec_num_draft_tokens", pa.int64()),
+    pa.field("spec_num_accepted_draft_tokens", pa.int64()),
+    pa.field("spec_draft_acceptance_rate", pa.float64()),
+    pa.field("spec_mean_acceptance_length", pa.float64()),
+    pa.field("spec_acceptance_histogram", pa.list_(pa.int64())),
+    pa.field("spec_per_step_accepted", pa.list_(pa.int32())),
+    pa.field("spec_per_step_drafted", pa.list_(pa.int32())),
+    pa.field("queue_ms", pa.float64()),
+    pa.field("image_prep_ms", pa.float64()),
+    pa.field("prefill_ms", pa.float64()),
+    pa.field("decode_ms", pa.float64()),
+    pa.field("diffusion_ms", pa.float64()),
+    pa.field("total_ms", pa.float64()),
+    pa.field("warnings", pa.list_(_STR)),
+    pa.field("model_id", _STR),
+    pa.field("model_profile", _STR),
+    pa.field("model_precision", _STR),
+    pa.field("model_checkpoint_hash", _STR),
+    pa.field("model_speculative_decoding", _STR),
+    pa.field("model_speculative_model", _STR),
+    pa.field("request_topic", _STR),
+    pa.field("request_partition", pa.int32()),
+    pa.field("request_offset", pa.int64()),
+    pa.field("worker_id", _STR),
+    pa.field("attempt", pa.int32()),
+    pa.field("replay_of", _STR),
+    pa.field("completed_at", _TS_UTC),
+    *_LINEAGE_FIELDS,
+])
+"""Results table (one row per result record; run_id/date come from the Hive path)."""
+
+DEAD_LETTER_SCHEMA = pa.schema([
+    pa.field("request_id", _STR),
+    pa.field("schema_version", pa.int16()),
+    pa.field("error_code", _STR),
+    pa.field("error_field", _STR),
+    pa.field("error_message", _STR),
+    pa.field("retryable", pa.bool_()),
+    pa.field("original_value", pa.large_binary()),
+    pa.field("original_value_truncated", pa.bool_()),
+    pa.field("original_size", pa.int64()),
+    pa.field("original_key", pa.binary()),
+    pa.field("original_headers", pa.list_(pa.struct([("key", _STR), ("value", pa.binary())]))),
+    pa.field("source_topic", _STR),
+    pa.field("source_partition", pa.int32()),
+    pa.field("source_offset", pa.int64()),
+    pa.field("attempt", pa.int32()),
+    pa.field("worker_id", _STR),
+    pa.field("failed_at", _TS_UTC),
+    pa.field("kafka_key", pa.binary()),
+    *_LINEAGE_FIELDS,
+])
+"""Dead-letter table: error code/field/message and the original bytes (for ``dlq replay``)."""
+
+PARTITION_SCHEMA = pa.schema([pa.field("run_id", _STR), pa.field("date", _STR)])
+TABLES = {"results": RESULT_SCHEMA, "dead_letters": DEAD_LETTER_SCHEMA}
+
+_SEGMENT_RE = re.compile(r"^(?P<topic>[A-Za-z0-9._-]+)\+(?P<partition>\d+)\+(?P<start>\d+)-(?P<end>\d+)\.parquet$")
+
+
+# --------------------------------------------------------------------------------------------
+# names and paths
+# --------------------------------------------------------------------------------------------
+
+
+def segment_file_name(topic: str, partition: int, start: int, end: int) -> str:
+    """``<topic>+<partition>+<startOffset>-<endOffset>.parquet`` (offsets inclusive)."""
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", topic):
+        raise ValueError(f"not a Kafka topic name: {topic!r}")
+    if not 0 <= start <= end:
+        raise ValueError(f"bad offset range {start}-{end}")
+    return f"{topic}+{int(partition)}+{int(start)}-{int(end)}.parquet"
+
+
+def parse_segment_file_name(name: str) -> tuple[str, int, int, int] | None:
+    """(topic, partition, start, end) of a segment file name, or None."""
+    m = _SEGMENT_RE.match(name)
+    if not m:
+        return None
+    return m["topic"], int(m["partition"]), int(m["start"]), int(m["end"])
+
+
+def _partition_value(v: str | None) -> str:
+    return NULL_PARTITION if v is None or v == "" else quote(v, safe="")
+
+
+def hive_dir(lake: str | os.PathLike, table: str, run_id: str | None, date: str) -> Path:
+    return Path(lake) / table / f"run_id={_partition_value(run_id)}" / f"date={date}"
+
+
+def _utc_date(ts_ms: int | None, fallback_s: float | None = None) -> str:
+    if ts_ms is not None and ts_ms >= 0:
+        secs = ts_ms / 1000.0
+    elif fallback_s is not None:
+        secs = fallback_s
+    else:
+        secs = 0.0
+    return dt.datetime.fromtimestamp(secs, dt.timezone.utc).strftime("%Y-%m-%d")
+
+
+def _ts_ms(ts: int | None) -> dt.datetime | None:
+    if ts is None or ts < 0:
+        return None
+    return dt.datetime.fromtimestamp(ts / 1000.0, dt.timezone.utc)
+
+
+def _ts_s(secs: float | None) -> dt.datetime | None:
+    if secs is None:
+        return None
+    try:
+        return dt.datetime.fromtimestamp(float(secs), dt.timezone.utc)
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# records -> rows
+# --------------------------------------------------------------------------------------------
+
+
+def _lineage(record) -> dict[str, Any]:
+    return {"kafka_topic": record.topic, "kafka_partition": record.partition, "kafka_offset": record.offset,
+            "kafka_timestamp": _ts_ms(record.timestamp), "decode_error": None}
+
+
+def _header_id(headers, name: str) -> str | None:
+    return S.header_value(headers, name)
+
+
+def _shape_ok(arr, shape: tuple[int, ...]) -> bool:
+    if not isinstance(arr, list):
+        return False
+    if len(shape) == 0:
+        return True
+    if shape[0] >= 0 and len(arr) != shape[0]:
+        return False
+    return all(_shape_ok(a, shape[1:]) if len(shape) > 1 else isinstance(a, (int, float)) for a in arr)
+
+
+def result_row(record) -> tuple[str | None, dict[str, Any]]:
+    """(run_id, row) of one result record; undecodable values give a row with ``decode_error``."""
+    headers = list(record.headers or ())
+    row: dict[str, Any] = _lineage(record)
+    try:
+        res = S.decode_result(record.value, headers)
+    except S.ContractError as err:
+        key = record.key.decode("utf-8", "replace") if record.key else None
+        row.update(request_id=_header_id(headers, S.HEADER_REQUEST_ID) or key, decode_error=str(err)[:2000])
+        return _header_id(headers, S.HEADER_RUN_ID), row
+    m = res.metrics
+    t = m.timings
+    sd = m.speculative_decoding
+    traj = res.pred_trajectories
+    rot = res.pred_rotations
+    problems = []
+    if traj is not None and not _shape_ok(traj, (-1, 64, 3)):
+        problems.append("pred_trajectories is not K x 64 x 3")
+        traj = None
+    if rot is not None:
+        if _shape_ok(rot, (-1, 64, 3, 3)):
+            rot = [[[v for r3 in mat for v in r3] for mat in smp] for smp in rot]
+        else:
+            problems.append("pred_rotations is not K x 64 x 3 x 3")
+            rot = None
+    lin = res.lineage
+    mdl = res.model
+    row.update(
+        request_id=res.request_id, task=res.task, schema_version=res.schema_version, num_samples=res.num_samples,
+        labels=list(res.labels.items()), pred_trajectories=traj, pred_rotations=rot, answer=res.answer,
+        output_texts=[o.text for o in res.outputs], cots=[o.cot for o in res.outputs],
+        meta_actions=[None if o.meta_action is None else
+                      {"longitudinal": o.meta_action.longitudinal, "lateral": o.meta_action.lateral,
+                       "lane": o.meta_action.lane} for o in res.outputs],
+        auto_labels=[None if o.auto_label is None else
+                     {"critical_components_analysis": o.auto_label.critical_components_analysis,
+                      "ego_vehicle_motion_analysis": o.auto_label.ego_vehicle_motion_analysis,
+                      "trajectory_analysis": o.auto_label.trajectory_analysis,
+                      "chain_of_causation": o.auto_label.chain_of_causation} for o in res.outputs],
+        boxes=[None if o.boxes is None else [{"bbox_2d": list(b.bbox_2d), "label": b.label} for b in o.boxes]
+               for o in res.outputs],
+        reasoning_texts=list(m.reasoning_texts), generated_tokens=list(m.generated_tokens),
+        queue_ms=t.queue_ms, image_prep_ms=t.image_prep_ms, prefill_ms=t.prefill_ms, decode_ms=t.decode_ms,
+        diffusion_ms=t.diffusion_ms, total_ms=t.total_ms, warnings=list(res.warnings),
+        model_id=mdl.id, model_profile=mdl.profile, model_precision=mdl.precision,
+        model_checkpoint_hash=mdl.checkpoint_hash, model_speculative_decoding=mdl.speculative_decoding,
+        model_speculative_model=mdl.speculative_model,
+        request_topic=lin.topic if lin else None, request_partition=lin.partition if lin else None,
+        request_offset=lin.offset if lin else None, worker_id=lin.worker_id if lin else None,
+        attempt=lin.attempt if lin else None, replay_of=lin.replay_of if lin else None,
+        completed_at=_ts_s(res.completed_at),
+    )
+    if sd is not None:
+        row.update(spec_num_spec_tokens=sd.num_spec_tokens, spec_num_spec_steps=sd.num_spec_steps,
+                   spec_num_draft_tokens=sd.num_draft_tokens,
+                   spec_num_accepted_draft_tokens=sd.num_accepted_draft_tokens,
+                   spec_draft_acceptance_rate=sd.draft_acceptance_rate,
+                   spec_mean_acceptance_length=sd.mean_acceptance_length,
+                   spec_acceptance_histogram=list(sd.acceptance_histogram),
+                   spec_per_step_accepted=sd.per_step_accepted, spec_per_step_drafted=sd.per_step_drafted)
+    if problems:
+        row["decode_error"] = "; ".join(problems)
+    return res.run_id, row
+
+
+def dead_letter_row(record) -> tuple[str | None, dict[str, Any]]:
+    """(run_id, row) of one dead-letter record."""
+    headers = list(record.headers or ())
+    row: dict[str, Any] = _lineage(record)
+    row["kafka_key"] = record.key
+    try:
+        d = S.decode_dead_letter(record.value, headers)
+    except S.ContractError as err:
+        row.update(request_id=_header_id(headers, S.HEADER_REQUEST_ID),
+                   error_code=_header_id(headers, S.HEADER_ERROR_CODE), decode_error=str(err)[:2000])
+        return _header_id(headers, S.HEADER_RUN_ID), row
+    row.update(
+        request_id=d.request_id, schema_version=d.schema_version, error_code=d.error_code.value,
+        error_field=d.error_field, error_message=d.error_message, retryable=d.retryable,
+        original_value=d.original_value, original_value_truncated=d.original_value_truncated,
+        original_size=d.original_size, original_key=d.original_key,
+        original_headers=[{"key": k, "value": v} for k, v in d.original_headers],
+        source_topic=d.source.topic, source_partition=d.source.partition, source_offset=d.source.offset,
+        attempt=d.attempt, worker_id=d.worker_id, failed_at=_ts_s(d.failed_at))
+    return d.run_id, row
+
+
+_ROW_FN = {"results": result_row, "dead_letters": dead_letter_row}
+
+
+def rows_to_table(rows: list[dict[str, Any]], table: str) -> pa.Table:
+    return pa.Table.from_pylist(rows, schema=TABLES[table])
+
+
+def table_bytes(tbl: pa.Table) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(tbl, buf, compression="zstd")
+    return buf.getvalue()
+
+
+# --------------------------------------------------------------------------------------------
+# lake scanning and reading
+# --------------------------------------------------------------------------------------------
+
+
+def scan_ranges(lake: str | os.PathLike, table: str) -> dict[tuple[str, int], list[tuple[int, int]]]:
+    """{(topic, partition): sorted distinct [start, end] ranges} of a table's segment files."""
+    out: dict[tuple[str, int], set[tuple[int, int]]] = defaultdict(set)
+    root = Path(lake) / table
+    if not root.is_dir():
+        return {}
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            p = parse_segment_file_name(name)
+            if p is not None:
+                out[(p[0], p[1])].add((p[2], p[3]))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def check_ranges(topic: str, partition: int, ranges: list[tuple[int, int]]) -> None:
+    for (s1, e1), (s2, e2) in zip(ranges, ranges[1:]):
+        if s2 <= e1:
+            raise ToolError(f"the lake holds overlapping segments of {topic}+{partition}: {s1}-{e1} and {s2}-{e2}; "
+                            "refusing to write (was a sink run without the partition lock?)")
+
+
+def read_lake(lake: str | os.PathLike, table: str = "results", run_id: str | None = None,
+              columns: list[str] | None = None) -> pa.Table:
+    """The table (with ``run_id`` and ``date`` from the path), optionally one run's rows only."""
+    import pyarrow.dataset as ds
+
+    schema = pa.schema(list(TABLES[table]) + list(PARTITION_SCHEMA))
+    root = Path(lake) / table
+    if run_id is not None:
+        root = root / f"run_id={_partition_value(run_id)}"
+    if not root.is_dir():
+        tbl = schema.empty_table()
+        return tbl.select(columns) if columns else tbl
+    if run_id is not None:
+        part = ds.partitioning(pa.schema([pa.field("date", _STR)]), flavor="hive")
+        d = ds.dataset(str(root), format="parquet", partitioning=part,
+                       schema=pa.schema(list(TABLES[table]) + [pa.field("date", _STR)]))
+        tbl = d.to_table(columns=[c for c in (columns or schema.names) if c != "run_id"])
+        tbl = tbl.append_column("run_id", pa.array([run_id] * tbl.num_rows, _STR))
+        return tbl.select(columns) if columns else tbl.select(schema.names)
+    part = ds.partitioning(PARTITION_SCHEMA, flavor="hive")
+    d = ds.dataset(str(root), format="parquet", partitioning=part, schema=schema)
+    return d.to_table(columns=columns)
+
+
+# --------------------------------------------------------------------------------------------
+# the sink
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SinkOptions:
+    lake: str
+    group_id: str = "alpamayo-lake-sink"
+    include_results: bool = True
+    include_dead_letters: bool = True
+    rotate_rows: int = 10_000
+    rotate_seconds: float = 60.0
+    until_idle: float | None = None
+    max_records: int | None = None       # stop (gracefully) after this many records
+    lock_timeout: float = 120.0
+    session_timeout_ms: int = 10_000     # how soon a killed sink's partitions move (broker min 6000)
+    progress: bool = True
+    debug_pause: float = 0.0             # sleep after each data file (tests: kill between files)
+
+
+@dataclass
+class _Partition:
+    topic: str
+    partition: int
+    table: str
+    lock_fd: int
+    replay: list[tuple[int, int]] = field(default_factory=list)   # lake ranges still to finish
+    buf: list = field(default_factory=list)
+    buf_kind: str = "free"          # "free" | "replay"
+    started: float = 0.0            # monotonic time of the buffer's first record
+    next_offset: int = 0            # records below this were handled (or precede the start) in this assignment
+
+
+class LakeSink:
+    def __init__(self, kafka: KafkaOptions, opts: SinkOptions):
+        self.kafka = kafka
+        self.opts = opts
+        self.lake = Path(opts.lake)
+        self.tables: dict[str, str] = {}
+        if opts.include_results:
+            self.tables[kafka.result_topic] = "results"
+        if opts.include_dead_letters:
+            self.tables[kafka.dead_letter_topic] = "dead_letters"
+        if not self.tables:
+            raise ToolError("nothing to sink: both results and dead letters are excluded")
+        self.parts: dict[Any, _Partition] = {}
+        self.consumer = None
+        self.stop_event = asyncio.Event()
+        self.stats = {"records": 0, "rows_written": 0, "files_written": 0, "files_skipped": 0,
+                      "segments": 0, "replayed_segments": 0, "commits_failed": 0}
+        self.assigned_once = asyncio.Event()
+        self._bar = None
+        # rebalance callbacks run on aiokafka's coordinator task, concurrently with the main loop's
+        # processing of a fetched batch: the lock keeps a revocation from interleaving with a flush
+        self._lock = asyncio.Lock()
+        self.fatal: BaseException | None = None
+
+    # ---------------------------------------------------------------- partition ownership
+    def _lock_path(self, topic: str, partition: int) -> Path:
+        return self.lake / "_sink" / "locks" / f"{topic}+{partition}.lock"
+
+    async def _acquire_lock(self, topic: str, partition: int) -> int:
+        path = self._lock_path(topic, partition)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + self.opts.lock_timeout
+        warned = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise ToolError(f"{path} is locked by another sink for {self.opts.lock_timeout:.0f}s")
+                if not warned:
+                    log.warning("waiting for %s (another sink still holds %s+%s)", path, topic, partition)
+                    warned = True
+                await asyncio.sleep(0.2)
+
+    def _release(self, p: _Partition) -> None:
+        try:
+            fcntl.flock(p.lock_fd, fcntl.LOCK_UN)
+        finally:
+            os.close(p.lock_fd)
+
+    def _fail(self, exc: BaseException) -> None:
+        """aiokafka only logs a rebalance callback's exception: stop the sink and re-raise it."""
+        if self.fatal is None:
+            self.fatal = exc
+        self.stop_event.set()
+
+    async def on_assigned(self, assigned) -> None:
+        async with self._lock:
+            try:
+                await self._assign(assigned)
+            except BaseException as exc:
+                self._fail(exc)
+                raise
+
+    async def _assign(self, assigned) -> None:
+        new = [tp for tp in sorted(assigned, key=lambda t: (t.topic, t.partition)) if tp not in self.parts]
+        for tp in new:      # own every new partition before looking at the lake
+            self.parts[tp] = _Partition(tp.topic, tp.partition, self.tables[tp.topic],
+                                        await self._acquire_lock(tp.topic, tp.partition))
+        by_table = {t: scan_ranges(self.lake, t) for t in {self.parts[tp].table for tp in new}}
+        for tp in new:
+            p = self.parts[tp]
+            table = p.table
+            ranges = by_table[table].get((tp.topic, tp.partition), [])
+            check_ranges(tp.topic, tp.partition, ranges)
+            self._clean_temp_files(table, tp.topic, tp.partition)
+            committed = await self.consumer.committed(tp)
+            start = committed if committed is not None else 0
+            pending = [r for r in ranges if r[1] >= start]
+            inside = [r for r in pending if r[0] < start]
+            if inside:
+                self.consumer.seek(tp, inside[0][0])
+                log.info("%s+%s: committed offset %s falls inside lake segment %s-%s: re-reading from %s",
+                         tp.topic, tp.partition, committed, inside[0][0], inside[0][1], inside[0][0])
+            p.replay = pending
+            p.next_offset = inside[0][0] if inside else start
+            if pending:
+                log.info("%s+%s: %d lake segment(s) at or after offset %s are finished with their own bounds",
+                         tp.topic, tp.partition, len(pending), start)
+        self.assigned_once.set()
+
+    def _clean_temp_files(self, table: str, topic: str, partition: int) -> None:
+        prefix = f".{topic}+{partition}+"
+        root = self.lake / table
+        if not root.is_dir():
+            return
+        for dirpath, _dirs, files in os.walk(root):
+            for name in files:
+                if name.startswith(prefix) and ".tmp-" in name:
+                    try:
+                        os.unlink(os.path.join(dirpath, name))
+                    except OSError:
+                        pass
+
+    async def on_revoked(self, revoked) -> None:
+        async with self._lock:
+            try:
+                await self._revoke(revoked)
+            except BaseException as exc:
+                self._fail(exc)
+                raise
+
+    async def _revoke(self, revoked) -> None:
+        for tp in list(revoked):
+            p = self.parts.get(tp)
+            if p is None:
+                continue
+            try:
+                await self._flush(tp, p)
+            finally:
+                self._release(p)
+                del self.parts[tp]
+
+    # ---------------------------------------------------------------- records
+    async def _add(self, tp, p: _Partition, record) -> None:
+        o = record.offset
+        if o < p.next_offset:
+            return      # a batch fetched before a rebalance, re-delivered after the seek: already here
+        p.next_offset = o + 1
+        while p.replay and o > p.replay[0][1]:
+            if p.buf:
+                await self._flush(tp, p)    # the replay range (its end record is gone) or free records before it
+            else:
+                p.replay.pop(0)             # none of that range's records are left in the log
+        if p.replay and o >= p.replay[0][0]:
+            if p.buf and p.buf_kind == "free":
+                await self._flush(tp, p)
+            p.buf_kind = "replay"
+            self._append(p, record)
+            if o == p.replay[0][1]:
+                await self._flush(tp, p)
+            return
+        p.buf_kind = "free"
+        self._append(p, record)
+        if len(p.buf) >= self.opts.rotate_rows:
+            await self._flush(tp, p)
+
+    def _append(self, p: _Partition, record) -> None:
+        if not p.buf:
+            p.started = time.monotonic()
+        p.buf.append(record)
+
+    async def _flush(self, tp, p: _Partition) -> None:
+        """Write the buffered segment (missing files only), then commit its end + 1."""
+        if p.buf_kind == "replay" and p.replay:
+            start, end = p.replay[0]
+            records = p.buf
+        else:
+            if not p.buf:
+                return
+            start, end = p.buf[0].offset, p.buf[-1].offset
+            records = p.buf
+        groups: dict[tuple[str | None, str], list[dict]] = defaultdict(list)
+        row_fn = _ROW_FN[p.table]
+        for r in records:
+            run_id, row = row_fn(r)
+            date = _utc_date(r.timestamp, row.get("completed_at").timestamp() if row.get("completed_at") else None)
+            groups[(run_id, date)].append(row)
+        name = segment_file_name(p.topic, p.partition, start, end)
+        for (run_id, date), rows in sorted(groups.items(), key=lambda kv: (kv[0][0] or "", kv[0][1])):
+            path = hive_dir(self.lake, p.table, run_id, date) / name
+            if path.exists():
+                self.stats["files_skipped"] += 1
+                continue
+            atomic_write_bytes(path, table_bytes(rows_to_table(rows, p.table)))
+            self.stats["files_written"] += 1
+            self.stats["rows_written"] += len(rows)
+            if self.opts.debug_pause:
+                await asyncio.sleep(self.opts.debug_pause)
+        self.stats["segments"] += 1
+        if p.buf_kind == "replay" and p.replay:
+            self.stats["replayed_segments"] += 1
+            p.replay.pop(0)
+        p.buf = []
+        p.buf_kind = "free"
+        await self._commit(tp, end + 1)
+        if self._bar is not None:
+            self._bar.set_postfix(files=self.stats["files_written"], skipped=self.stats["files_skipped"], refresh=False)
+
+    async def _commit(self, tp, offset: int) -> None:
+        try:
+            await self.consumer.commit({tp: offset})
+        except Exception as exc:  # noqa: BLE001 - the files are the truth; a lost commit costs a re-read
+            self.stats["commits_failed"] += 1
+            log.warning("commit of %s+%s at %s failed (%s: %s); the lake is unaffected",
+                        tp.topic, tp.partition, offset, type(exc).__name__, exc)
+
+    async def _tick(self) -> None:
+        """Time rotation, and replay ranges whose end record is gone (retention/compaction)."""
+        now = time.monotonic()
+        for tp, p in list(self.parts.items()):
+            if p.buf and p.buf_kind == "free" and now - p.started >= self.opts.rotate_seconds:
+                await self._flush(tp, p)
+            elif p.replay:
+                try:
+                    pos = await self.consumer.position(tp)
+                except Exception:  # noqa: BLE001 - position unknown yet
+                    continue
+                if pos > p.replay[0][1]:
+                    if p.buf_kind == "replay":
+                        await self._flush(tp, p)
+                    elif not p.buf:
+                        p.replay.pop(0)
+
+    # ---------------------------------------------------------------- main loop
+    async def run(self) -> dict[str, Any]:
+        from aiokafka import AIOKafkaConsumer
+        from aiokafka.abc import ConsumerRebalanceListener
+        from tqdm import tqdm
+
+        sink = self
+
+        class Listener(ConsumerRebalanceListener):
+            async def on_partitions_revoked(self, revoked):
+                await sink.on_revoked(revoked)
+
+            async def on_partitions_assigned(self, assigned):
+                await sink.on_assigned(assigned)
+
+        self.consumer = AIOKafkaConsumer(
+            **client_kwargs(self.kafka), group_id=self.opts.group_id, enable_auto_commit=False,
+            auto_offset_reset="earliest", isolation_level="read_committed",
+            max_partition_fetch_bytes=32 << 20, fetch_max_bytes=64 << 20,
+            rebalance_timeout_ms=max(60_000, int(self.opts.lock_timeout * 1000) + 30_000),
+            session_timeout_ms=self.opts.session_timeout_ms,
+            heartbeat_interval_ms=max(100, min(3000, self.opts.session_timeout_ms // 3)))
+        self.consumer.subscribe(list(self.tables), listener=Listener())
+        self._bar = tqdm(unit="rec", desc="sink", disable=not self.opts.progress, file=sys.stderr)
+        await self.consumer.start()
+        last_record = time.monotonic()
+        t0 = time.monotonic()
+        try:
+            while not self.stop_event.is_set():
+                batch = await self.consumer.getmany(timeout_ms=200, max_records=2000)
+                n = 0
+                async with self._lock:
+                    for tp, records in batch.items():
+                        p = self.parts.get(tp)
+                        if p is None:           # revoked meanwhile: its new owner re-reads these
+                            continue
+                        for r in records:
+                            await self._add(tp, p, r)
+                        n += len(records)
+                    await self._tick()
+                if n:
+                    last_record = time.monotonic()
+                    self.stats["records"] += n
+                    self._bar.update(n)
+                if self.opts.max_records is not None and self.stats["records"] >= self.opts.max_records:
+                    break
+                if self.opts.until_idle is not None:
+                    if not self.assigned_once.is_set():
+                        last_record = time.monotonic()
+                    elif time.monotonic() - last_record >= self.opts.until_idle:
+                        break
+            if self.fatal is not None:
+                raise self.fatal
+            async with self._lock:
+                for tp, p in list(self.parts.items()):
+                    await self._flush(tp, p)
+        finally:
+            try:
+                await self.consumer.stop()
+            finally:
+                for p in self.parts.values():
+                    self._release(p)
+                self.parts.clear()
+                self._bar.close()
+        self.stats["elapsed_s"] = round(time.monotonic() - t0, 3)
+        return dict(self.stats)
+
+
+async def run_sink(kafka: KafkaOptions, opts: SinkOptions, install_signals: bool = True) -> dict[str, Any]:
+    """Run the sink until SIGTERM/SIGINT (graceful: flush, commit, exit), ``until_idle`` or
+    ``max_records``; returns counters."""
+    sink = LakeSink(kafka, opts)
+    loop = asyncio.get_running_loop()
+    installed = []
+    if install_signals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, sink.stop_event.set)
+                installed.append(sig)
+            except (NotImplementedError, RuntimeError):
+                pass
+    try:
+        return await sink.run()
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
