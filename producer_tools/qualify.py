@@ -103,21 +103,9 @@ def scene_to_request(scene, task: str, *, k: int = 1, temperature: float = 0.0, 
 
 def random_head(checkpoint: str | Path, out_dir: str | Path, seed: int = 1) -> Path:
     """An untrained DFlash2 head matching ``checkpoint`` (plumbing checks only)."""
-    import torch
+    from worker.dflash.draft import write_random_head
 
-    from worker.dflash.draft import DraftModel
-    from worker.dflash.head import head_config_for, write_metadata
-    from worker.model.config import AlpamayoConfig
-    from worker.model.tokenizer import load_tokenizer
-
-    cfg = AlpamayoConfig.from_dir(checkpoint)
-    tok, _ = load_tokenizer(checkpoint, cfg)
-    hc = head_config_for(cfg, mask_token_id=tok.token_to_id("<|route_pad|>"))
-    torch.manual_seed(seed)
-    d = Path(out_dir)
-    DraftModel(hc).save(d)
-    write_metadata(d, cfg, {"trained": False, "note": "random head written by alpamayo-producer qualify"})
-    return d
+    return write_random_head(checkpoint, out_dir, seed, note="random head written by alpamayo-producer qualify")
 
 
 def _resolve(opts: QualifyOptions) -> tuple[Path, Path, str]:

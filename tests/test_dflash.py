@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from worker.demo.layout import write_random_checkpoint
-from worker.dflash.draft import DraftModel
-from worker.dflash.head import HeadError, check_head, head_config_for, write_metadata
+from worker.dflash.draft import write_random_head
+from worker.dflash.head import HeadError, check_head
 from worker.dflash.loop import DFlash2Speculator
 from worker.dflash.oracle import OracleProposer, error_rate_for_tau
 from worker.model.runtime import AlpamayoRuntime
@@ -24,17 +24,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def head(ckpt, tmp_path_factory):
-    from worker.model.config import AlpamayoConfig
-    from worker.model.tokenizer import load_tokenizer
-
-    cfg = AlpamayoConfig.from_dir(ckpt)
-    tok, _ = load_tokenizer(ckpt, cfg)
-    hc = head_config_for(cfg, mask_token_id=tok.token_to_id("<|route_pad|>"))
-    torch.manual_seed(1)
-    d = tmp_path_factory.mktemp("head") / "head"
-    DraftModel(hc).save(d)
-    write_metadata(d, cfg, {"trained": False, "note": "random test head"})
-    return d
+    return write_random_head(ckpt, tmp_path_factory.mktemp("head") / "head")
 
 
 @pytest.fixture(scope="module")

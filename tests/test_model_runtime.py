@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker.demo.layout import Dims, write_random_checkpoint
+from worker.demo.layout import write_random_checkpoint
 from worker.model.checkpoint import CheckpointError, load_model, validate_layout
 from worker.model.runtime import AlpamayoRuntime, SceneRequest
 

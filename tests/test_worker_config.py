@@ -142,22 +142,12 @@ def test_help_does_not_import_torch():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    import torch
-
     from worker.demo.layout import write_random_checkpoint
-    from worker.dflash.draft import DraftModel
-    from worker.dflash.head import head_config_for, write_metadata
-    from worker.model.config import AlpamayoConfig
-    from worker.model.tokenizer import load_tokenizer
+    from worker.dflash.draft import write_random_head
 
     root = tmp_path_factory.mktemp("tiny")
     ckpt = write_random_checkpoint(root / "ckpt")
-    cfg = AlpamayoConfig.from_dir(ckpt)
-    tok, _ = load_tokenizer(ckpt, cfg)
-    torch.manual_seed(1)
-    DraftModel(head_config_for(cfg, mask_token_id=tok.token_to_id("<|route_pad|>"))).save(root / "head")
-    write_metadata(root / "head", cfg, {"note": "random test head"})
-    return ckpt, root / "head"
+    return ckpt, write_random_head(ckpt, root / "head")
 
 
 def test_check_head_cli(tiny, tmp_path):

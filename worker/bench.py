@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -91,8 +89,6 @@ def floors(t: Table, dev: torch.device) -> tuple[float, float]:
     b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     s = timeit(lambda: a @ b, reps=10)
     t.add("floors", "bf16 matmul 8192^3", f"{2 * 8192 ** 3 / s / 1e12:.0f} TFLOP/s")
-    del x, y, a, b
-    torch.cuda.empty_cache()
     return bw, 2 * 8192 ** 3 / s
 
 
@@ -129,7 +125,6 @@ def build_model(shape: str, dev: torch.device, dtype: torch.dtype):
 def make_runtime(model, cfg, tok, dev, dtype):
     from worker.model.inputs import ImageProcessing
     from worker.model.runtime import AlpamayoRuntime
-    from worker.model.tokenizer import load_tokenizer  # noqa: F401  (ids come from the tokenizer below)
     from worker.model.config import TokenIds
 
     t = tok.token_to_id
@@ -207,7 +202,7 @@ def hf_generate(t: Table, model, dev, context: int, new: int = 16) -> dict:
 
 def loops(t: Table, rt, head_layers: int, batches: list[int], context: int, new: int, taus=(2, 4, 6)) -> dict:
     """Baseline vs DFlash2 reasoning tokens/s (greedy; oracle proposals), draft pass time."""
-    from worker.dflash.draft import DraftModel
+    from worker.dflash.draft import MASK_TOKEN, DraftModel
     from worker.dflash.head import head_config_for
     from worker.dflash.loop import DFlash2Speculator
     from worker.dflash.oracle import OracleProposer, error_rate_for_tau
@@ -215,7 +210,7 @@ def loops(t: Table, rt, head_layers: int, batches: list[int], context: int, new:
     from worker.model.sampling import SamplingParams
 
     dev = rt.device
-    hc = head_config_for(rt.cfg, mask_token_id=rt.tok.token_to_id("<|route_pad|>"), num_layers=head_layers)
+    hc = head_config_for(rt.cfg, mask_token_id=rt.tok.token_to_id(MASK_TOKEN), num_layers=head_layers)
     with torch.device(dev):
         draft = DraftModel(hc).to(rt.dtype).eval().requires_grad_(False)
     spec = DFlash2Speculator(draft, rt.model)
@@ -357,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add("setup", "date / device", f"{datetime.date.today()} / {torch.cuda.get_device_name(0) if gpu else platform.processor() or 'cpu'}")
     t.add("setup", "torch / transformers", f"{torch.__version__} / {transformers.__version__}")
     bw, _ = floors(t, dev)
+    if gpu:
+        torch.cuda.empty_cache()
     model, cfg, tok = build_model(args.shape, dev, dtype)
     rt = make_runtime(model, cfg, tok, dev, dtype)
     wb = weight_bytes(model)

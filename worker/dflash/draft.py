@@ -171,3 +171,22 @@ class DraftModel(nn.Module):
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
         (path / "config.json").write_text(json.dumps(self.config.to_json(), indent=2))
+
+
+MASK_TOKEN = "<|route_pad|>"   # the packaged head's mask token: a base-vocabulary token no prompt uses
+
+
+def write_random_head(checkpoint: str | Path, out_dir: str | Path, seed: int = 1,
+                      note: str = "untrained head (plumbing and cost checks only)") -> Path:
+    """An untrained DFlash2 head matching `checkpoint`, in the head format, with its metadata."""
+    from worker.dflash.head import head_config_for, write_metadata
+    from worker.model.config import AlpamayoConfig
+    from worker.model.tokenizer import load_tokenizer
+
+    cfg = AlpamayoConfig.from_dir(checkpoint)
+    tok, _ = load_tokenizer(checkpoint, cfg)
+    torch.manual_seed(seed)
+    out = Path(out_dir)
+    DraftModel(head_config_for(cfg, mask_token_id=tok.token_to_id(MASK_TOKEN))).save(out)
+    write_metadata(out, cfg, {"trained": False, "note": note})
+    return out

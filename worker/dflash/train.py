@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from worker.dflash.draft import DraftModel
+from worker.dflash.draft import MASK_TOKEN, DraftModel
 from worker.dflash.head import HeadConfig, head_config_for, write_metadata
 
 HEAD_VERSION = 1
@@ -222,7 +222,7 @@ def build_demo_head(checkpoint: str | Path, cache_root: str | Path | None = None
     t0 = time.perf_counter()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     rt = AlpamayoRuntime.load(checkpoint, device="cpu", dtype=torch.float32)
-    head_cfg = head_config_for(base_cfg, mask_token_id=rt.tok.token_to_id("<|route_pad|>"))
+    head_cfg = head_config_for(base_cfg, mask_token_id=rt.tok.token_to_id(MASK_TOKEN))
     rng = np.random.default_rng(seed + 1000)
     seeds = rng.choice(10_000_000, size=train_scenes + eval_scenes, replace=False) + 50_000_000
     half = train_scenes // 2

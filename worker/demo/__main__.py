@@ -1,0 +1,217 @@
+"""`make demo` (python -m worker.demo): the main job end to end on the embedded demo model.
+
+1. start a local Apache Kafka (deploy/local), 2. build or reuse the demo checkpoint and its
+DFlash2 head, 3. create this run's topics, 4. start the worker (`python -m worker serve`) on the
+bf16-dflash2 profile with K = 1,2,3 and wait until it is ready, 5. publish synthetic scenes of
+every task and several K (plus two invalid requests, to show dead letters), 6. wait for one
+result or dead letter per request, 7. print a summary per task and write a PNG of trajectories.
+Exits non-zero if any request is unanswered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+N_SCENES = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _requests(run_id: str, n: int):
+    """(InferRequest, expected) for every task and K = 1, 2, 3; two invalid requests."""
+    import msgspec
+
+    from producer_tools.publish import build_request, iter_synthetic
+
+    _, items = iter_synthetic(n, seed=7_000_000)
+    items = list(items)
+    out = []
+    for i, item in enumerate(items):
+        k = 1 + i % 3
+        out.append(build_request(item, "trajectory", k, run_id, temperature=0.6 if k > 1 else 0.0, seed=i))
+        task = ("meta_action", "auto_labeling", "vqa", "grounding")[i % 4]
+        out.append(build_request(item, task, 1, run_id, max_tokens=160))
+    bad_k = build_request(items[0], "trajectory", 5, run_id, temperature=0.6, seed=1)     # K not served
+    bad_img = msgspec.structs.replace(build_request(items[1], "trajectory", 1, run_id, seed=2),
+                                      request_id=f"{run_id}:bad-image", images=[b"not an image"] * 24)
+    return out + [bad_k, bad_img], items
+
+
+async def _publish_and_collect(opts, reqs, timeout_s: float):
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+    import schemas as S
+    from producer_tools.common import client_kwargs
+
+    kw = client_kwargs(opts)
+    results, dead = {}, {}
+    consumer = AIOKafkaConsumer(opts.result_topic, opts.dead_letter_topic, group_id=None,
+                                auto_offset_reset="earliest", isolation_level="read_committed", **kw)
+    await consumer.start()
+    producer = AIOKafkaProducer(acks="all", enable_idempotence=True, **kw)
+    await producer.start()
+    sent_at = {}
+    try:
+        for req in reqs:
+            value, headers = S.encode_request(req)
+            sent_at[req.request_id] = time.time()
+            await producer.send_and_wait(opts.request_topic, value, key=req.request_id.encode(), headers=headers)
+        print(f"published {len(reqs)} requests to {opts.request_topic}", flush=True)
+        want = set(sent_at)
+        deadline = time.monotonic() + timeout_s
+        last = 0
+        while want - results.keys() - dead.keys() and time.monotonic() < deadline:
+            batch = await consumer.getmany(timeout_ms=1000)
+            for tp, records in batch.items():
+                for rec in records:
+                    if tp.topic == opts.result_topic:
+                        r = S.decode_result(rec.value)
+                        results[r.request_id] = (r, time.time() - sent_at.get(r.request_id, time.time()))
+                    else:
+                        d = S.decode_dead_letter(rec.value)
+                        dead[d.request_id] = d
+            done = len(results) + len(dead)
+            if done != last:
+                print(f"  answered {done}/{len(want)}", flush=True)
+                last = done
+    finally:
+        await producer.stop()
+        await consumer.stop()
+    return results, dead, set(sent_at) - results.keys() - dead.keys()
+
+
+def _summary(results: dict, dead: dict) -> str:
+    rows = ["| task | results | latency p50 ms | latency p95 ms | acceptance rate | mean acceptance length |",
+            "|---|---|---|---|---|---|"]
+    by_task: dict[str, list] = {}
+    for r, _ in results.values():
+        by_task.setdefault(r.task, []).append(r)
+    for task in ("trajectory", "meta_action", "auto_labeling", "vqa", "grounding"):
+        rs = by_task.get(task, [])
+        if not rs:
+            continue
+        lat = sorted(r.metrics.timings.total_ms for r in rs)
+        p50 = statistics.median(lat)
+        p95 = lat[min(len(lat) - 1, round(0.95 * (len(lat) - 1)))]
+        specs = [r.metrics.speculative_decoding for r in rs if r.metrics.speculative_decoding is not None]
+        if specs:
+            acc = sum(s.num_accepted_draft_tokens for s in specs)
+            drafted = sum(s.num_draft_tokens for s in specs)
+            steps = sum(s.num_spec_steps for s in specs)
+            rate, mal = f"{acc / max(drafted, 1):.3f}", f"{1 + acc / max(steps, 1):.2f}"
+        else:
+            rate = mal = "-"
+        rows.append(f"| {task} | {len(rs)} | {p50:.0f} | {p95:.0f} | {rate} | {mal} |")
+    codes: dict[str, int] = {}
+    for d in dead.values():
+        codes[str(d.error_code)] = codes.get(str(d.error_code), 0) + 1
+    rows.append(f"| dead letters | {len(dead)} | | | {', '.join(f'{c}: {n}' for c, n in sorted(codes.items()))} | |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m worker.demo", description=__doc__.split("\n")[0])
+    ap.add_argument("--scenes", type=int, default=N_SCENES)
+    ap.add_argument("--out", default="demo-out")
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--keep-kafka", action="store_true", help="leave the local broker running")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+
+    from deploy.local.cluster import LocalKafka
+    from producer_tools.common import kafka_options, new_run_id
+    from producer_tools.topics import create_topics, plan_topics
+    from worker.demo.build import build_demo_checkpoint
+    from worker.dflash.train import build_demo_head
+    from worker.service import spawn_worker, wait_ready
+
+    print("== 1. local Apache Kafka", flush=True)
+    kafka = LocalKafka(name="demo")
+    bootstrap = kafka.start()
+    print(f"   bootstrap {bootstrap}", flush=True)
+    print("== 2. demo checkpoint and DFlash2 head", flush=True)
+    checkpoint = build_demo_checkpoint(progress=True)
+    head = build_demo_head(checkpoint, progress=True)
+    print(f"   checkpoint {checkpoint}\n   head       {head}", flush=True)
+    run_id = new_run_id("demo")
+    opts = kafka_options({}, bootstrap_servers=bootstrap, request_topic=f"{run_id}.requests",
+                         result_topic=f"{run_id}.results", dead_letter_topic=f"{run_id}.dead-letters")
+    asyncio.run(create_topics(opts, plan_topics(opts, partitions=3)))
+    print(f"== 3. topics {opts.request_topic}, {opts.result_topic}, {opts.dead_letter_topic}", flush=True)
+    port = _free_port()
+    env = {"NIM_MODEL_PROFILE": "bf16-dflash2", "NIM_ALPAMAYO_TRAJ_SAMPLES": "1,2,3",
+           "ALPAMAYO_KAFKA_BOOTSTRAP_SERVERS": bootstrap, "ALPAMAYO_REQUEST_TOPIC": opts.request_topic,
+           "ALPAMAYO_RESULT_TOPIC": opts.result_topic, "ALPAMAYO_DEAD_LETTER_TOPIC": opts.dead_letter_topic,
+           "ALPAMAYO_GROUP_ID": f"{run_id}-workers", "ALPAMAYO_HTTP_PORT": str(port), "ALPAMAYO_HTTP_HOST": "127.0.0.1"}
+    for var in ("NIM_PRECISION", "NIM_FT_CHECKPOINT", "NIM_ALPAMAYO_SPECULATIVE_MODEL"):
+        os.environ.pop(var, None)
+    print("== 4. worker (bf16-dflash2, K=1,2,3): loading and warming up", flush=True)
+    proc = spawn_worker(env)
+    code = 1
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", timeout=600, proc=proc)
+        print(f"   ready on :{port} ({time.perf_counter() - t0:.0f}s since start)", flush=True)
+        reqs, items = _requests(run_id, args.scenes)
+        print(f"== 5. publishing {len(reqs)} requests (all tasks, K=1,2,3, 2 invalid)", flush=True)
+        results, dead, missing = asyncio.run(_publish_and_collect(opts, reqs, args.timeout))
+        print("== 6. summary", flush=True)
+        table = _summary(results, dead)
+        print(table)
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/metrics", timeout=5) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith("alpamayo_spec_decode"):
+                    print("   " + line)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.md").write_text(table + "\n")
+        _plot(items, results, out / "trajectories.png")
+        print(f"== 7. wrote {out / 'summary.md'} and {out / 'trajectories.png'}")
+        if missing:
+            print(f"UNANSWERED: {len(missing)} request(s): {sorted(missing)[:5]}", file=sys.stderr)
+            code = 1
+        else:
+            print(f"every request answered: {len(results)} results, {len(dead)} dead letters "
+                  f"({time.perf_counter() - t0:.0f}s in all)")
+            code = 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=90)
+        except Exception:
+            proc.kill()
+        if not args.keep_kafka:
+            kafka.stop()
+    return code
+
+
+def _plot(items, results, path: Path) -> None:
+    import numpy as np
+
+    from producer_tools.scenes import bev_plot, generate_scene
+
+    scenes, preds = [], []
+    for r, _ in results.values():
+        if r.task == "trajectory" and r.pred_trajectories and len(scenes) < 6:
+            seed = 7_000_000 + next(i for i, it in enumerate(items) if it.scene_id == r.labels.get("scene_id"))
+            scenes.append(generate_scene(seed))
+            preds.append(np.asarray(r.pred_trajectories, dtype=np.float32))
+    if scenes:
+        bev_plot(scenes, preds, path)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
