@@ -13,6 +13,7 @@ the draft's top-C candidates, teacher-forced on the previous true token.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -115,7 +116,7 @@ def _batch_loss(draft: DraftModel, embed, lm_head, seqs: list[Sequence], anchors
         tgt_idx = a[:, None] + 1 + torch.arange(n - 1)                                     # (m, 7)
         valid = tgt_idx < L
         tgt = s.tokens[tgt_idx.clamp(max=L - 1)]
-        logits = lm_head(h[:, 1:]).float().masked_fill(banned, float("-inf"))            # (m, 7, V)
+        logits = lm_head(h[:, 1:]).float()                                                # (m, 7, V)
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none").view(m, -1)
         w = weights[None, :] * valid
         losses.append((ce * w).sum() / w.sum())
@@ -131,8 +132,8 @@ def _batch_loss(draft: DraftModel, embed, lm_head, seqs: list[Sequence], anchors
     return torch.stack(losses).mean() if losses else torch.zeros((), requires_grad=True)
 
 
-def train_head(rt, train_requests, head_cfg: HeadConfig, steps: int = 200, lr: float = 2e-3, seed: int = 0,
-               batch: int = 8, anchors_per_seq: int = 16, time_budget_s: float | None = None,
+def train_head(rt, train_requests, head_cfg: HeadConfig, steps: int = 400, lr: float = 5e-3, seed: int = 0,
+               batch: int = 4, anchors_per_seq: int = 8, time_budget_s: float | None = None,
                progress: bool = False) -> tuple[DraftModel, dict]:
     """Distil a head for the runtime's base model. Returns (draft, provenance)."""
     torch.manual_seed(seed)
@@ -204,8 +205,8 @@ def demo_requests(seeds, k: int = 1, temperature: float = 0.0):
 
 
 def build_demo_head(checkpoint: str | Path, cache_root: str | Path | None = None, seed: int = 0,
-                    force: bool = False, progress: bool = True, train_scenes: int = 96,
-                    eval_scenes: int = 24, steps: int = 240, time_budget_s: float = 150.0) -> Path:
+                    force: bool = False, progress: bool = True, train_scenes: int = 64,
+                    eval_scenes: int = 16, steps: int = 400, time_budget_s: float = 120.0) -> Path:
     """The packaged DFlash2 head of the demo checkpoint, cached next to it (keyed by version and
     the base config hash). Returns its directory."""
     from worker.config import cache_dir
@@ -216,7 +217,10 @@ def build_demo_head(checkpoint: str | Path, cache_root: str | Path | None = None
     checkpoint = Path(checkpoint)
     base_cfg = AlpamayoConfig.from_dir(checkpoint)
     root = Path(cache_root) if cache_root else cache_dir()
-    out = root / f"demo-dflash2-head-v{HEAD_VERSION}-{base_cfg.sha256[:12]}"
+    digest = hashlib.sha256(base_cfg.sha256.encode())
+    for shard in sorted(checkpoint.glob("*.safetensors")):      # the weights it is distilled from
+        digest.update(shard.read_bytes())
+    out = root / f"demo-dflash2-head-v{HEAD_VERSION}-{digest.hexdigest()[:12]}"
     if (out / "complete").is_file() and not force:
         return out
     t0 = time.perf_counter()
