@@ -9,9 +9,12 @@ results' speculative statistics.
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
 
 from schemas import TASKS, ErrorCode
+
+disable_created_metrics()   # only the series the seed names: *_total, no *_created
 
 __all__ = ["WorkerMetrics", "CONTENT_TYPE_LATEST", "STAGES", "SPEC_METHOD"]
 
