@@ -77,6 +77,7 @@ def evaluate(runtime, scenes: Sequence, k: int = 3, temperature: float = 0.6, te
     t0, c0 = time.perf_counter(), time.process_time()
     frames = [scene_frames(s) for s in scenes]
     light_ok, light_first, lead_ok, ade, fde, preds, failures = [], [], [], [], [], [], []
+    per_scene: list[dict] = []
     per_state: dict[str, list[int]] = {}
     for part in _chunks(list(range(len(scenes))), chunk):
         reqs = [scene_request(scenes[i], "trajectory", num_samples=k, temperature=temperature, seed=1000 + i,
@@ -98,6 +99,10 @@ def evaluate(runtime, scenes: Sequence, k: int = 3, temperature: float = 0.6, te
             ade.append(float(err.mean(axis=1).min()))
             fde.append(float(err[:, -1].min()))
             preds.append(res.trajectories)
+            per_scene.append({"scene_id": sc.scene_id, "light": want_light,
+                              "light_named": [light_state_named(t) for t in res.texts], "lead": want_lead,
+                              "lead_named": [lead_situation_named(t) for t in res.texts],
+                              "min_ade_m": round(ade[-1], 2), "min_fde_m": round(fde[-1], 2)})
     n_text = len(scenes) if text_scenes is None else min(text_scenes, len(scenes))
     text = {}
     for task in ("meta_action", "vqa", "grounding"):
@@ -123,8 +128,7 @@ def evaluate(runtime, scenes: Sequence, k: int = 3, temperature: float = 0.6, te
                     want = json.loads(t.grounding_answer)
                     got = out.boxes or []
                     if want:
-                        iou50.append(bool(got) and _iou(got[0]["bbox_2d"] if "bbox_2d" in got[0] else got[0].get(
-                            "box", [0, 0, 0, 0]), want[0]["bbox_2d"]) >= 0.5)
+                        iou50.append(bool(got) and _iou(got[0]["bbox_2d"], want[0]["bbox_2d"]) >= 0.5)
                     else:
                         iou50.append(not got)
         text[task] = {"exact": round(float(np.mean(exact)), 3) if exact else None, "n": len(exact)}
@@ -141,6 +145,7 @@ def evaluate(runtime, scenes: Sequence, k: int = 3, temperature: float = 0.6, te
         "min_ade_median_m": round(float(np.median(ade)), 3) if ade else float("nan"),
         "text": text,
         "failures": failures[:10],
+        "per_scene": per_scene,
         "eval_wall_s": round(time.perf_counter() - t0, 1),
         "eval_cpu_s": round(time.process_time() - c0, 1),
     }
@@ -172,19 +177,17 @@ def format_table(q: dict) -> str:
     return "\n".join(lines)
 
 
-def bev(scenes: Sequence, preds: Sequence, path: Path) -> Path:
-    """Bird's-eye plot of a few scenes: history, planner future, predicted samples."""
+def write_bev(directory: Path, scenes: Sequence, preds: Sequence, n_plot: int = 6) -> Path:
+    """bev.png: bird's-eye plots of the first few held-out scenes (history, planner future,
+    predicted samples), drawn by `producer_tools.scenes.bev_plot`."""
     from producer_tools.scenes import bev_plot
 
-    return bev_plot(list(scenes), list(preds), path)
-
-
-def write_report(directory: Path, metrics: dict, build: dict, scenes: Sequence, preds: Sequence,
-                 n_plot: int = 6) -> dict:
-    """quality.json (+ bev.png) in `directory`. Returns the quality dict."""
-    directory = Path(directory)
-    quality = {"metrics": metrics, "build": build}
-    (directory / "quality.json").write_text(json.dumps(quality, indent=1))
     pick = [i for i, p in enumerate(preds) if p is not None][:n_plot]
-    bev([scenes[i] for i in pick], [preds[i] for i in pick], directory / "bev.png")
+    return bev_plot([scenes[i] for i in pick], [preds[i] for i in pick], Path(directory) / "bev.png")
+
+
+def write_quality(directory: Path, metrics: dict, build: dict) -> dict:
+    """quality.json: {"metrics": ..., "build": ...}. Returns the dict."""
+    quality = {"metrics": metrics, "build": build}
+    (Path(directory) / "quality.json").write_text(json.dumps(quality, indent=1))
     return quality

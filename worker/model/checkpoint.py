@@ -193,6 +193,7 @@ def save_checkpoint(model: torch.nn.Module, config: dict, directory: str | Path,
     for shard_name, group in zip(names, groups):
         tmp = directory / (shard_name + ".tmp")
         save_file(group, str(tmp), metadata={"format": "pt"})
+        os.chmod(tmp, 0o644)            # readable by every user of a shared cache
         os.replace(tmp, directory / shard_name)
         weight_map.update({k: shard_name for k in group})
     total = sum(v.numel() * v.element_size() for v in state.values())
