@@ -105,7 +105,8 @@ class ClaimCheckFetcher:
         real = os.path.realpath(path)
         if not any(real == root or real.startswith(root.rstrip("/") + "/") for root in self.roots):
             raise ValueError("path is outside the allowed claim-check roots")
-        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+                     | getattr(os, "O_NONBLOCK", 0))     # a FIFO must not block: S_ISREG below refuses it
         try:
             import stat
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import os
 import signal
 import subprocess
@@ -97,6 +98,45 @@ def kafka_security(settings: Settings) -> dict:
         kw.update(sasl_mechanism=settings.sasl_mechanism, sasl_plain_username=settings.sasl_username,
                   sasl_plain_password=settings.sasl_password)
     return kw
+
+
+async def kafka_preflight(settings: Settings, timeout: float = 20.0) -> None:
+    """Open one connection to a bootstrap server with the configured security, before minutes of
+    model loading. Refused credentials or an untrusted broker certificate raise ConfigError (one
+    line, exit 2); an unreachable broker is not a refusal (it may be starting): the Kafka clients'
+    own retries deal with it later."""
+    from aiokafka.conn import create_conn
+    from aiokafka.errors import KafkaError, SaslAuthenticationFailed
+
+    from worker.config import ConfigError
+
+    sec = kafka_security(settings)
+    for hostport in settings.bootstrap_servers.split(","):
+        host, _, port = hostport.strip().rpartition(":")
+        try:
+            conn = await asyncio.wait_for(create_conn(
+                host, int(port), client_id=f"alpamayo-{settings.worker_id}-preflight",
+                request_timeout_ms=int(timeout * 1000), security_protocol=sec["security_protocol"],
+                ssl_context=sec.get("ssl_context"), sasl_mechanism=sec.get("sasl_mechanism"),
+                sasl_plain_username=sec.get("sasl_plain_username"),
+                sasl_plain_password=sec.get("sasl_plain_password")), timeout)
+        except SaslAuthenticationFailed:
+            raise ConfigError(
+                f"Kafka at {hostport} refused the credentials of user {settings.sasl_username!r} "
+                f"({settings.sasl_mechanism}): check ALPAMAYO_KAFKA_SASL_USERNAME and ALPAMAYO_KAFKA_SASL_PASSWORD"
+            ) from None
+        except ssl.SSLCertVerificationError as exc:
+            raise ConfigError(
+                f"Kafka at {hostport}: the broker certificate is not trusted ({exc.verify_message}): set "
+                "ALPAMAYO_KAFKA_SSL_CAFILE to the CA certificate (PEM) that signed it") from None
+        except (OSError, KafkaError, asyncio.TimeoutError, ssl.SSLError) as exc:
+            if settings.security_protocol == "PLAINTEXT" and "closed" in str(exc):
+                raise ConfigError(
+                    f"Kafka at {hostport} closed a PLAINTEXT connection at once: the listener probably needs "
+                    "TLS/SASL (set ALPAMAYO_KAFKA_SECURITY_PROTOCOL)") from None
+            continue                       # unreachable: try the next one; the clients retry later
+        conn.close()
+        return
 
 
 class _Listener:
@@ -179,6 +219,15 @@ class WorkerService:
 
     async def _run_loaded(self, loop) -> int:
         s = self.settings
+        # -- kafka preflight: refused credentials / an untrusted CA stop here, before the model loads
+        from worker.config import ConfigError
+
+        try:
+            await kafka_preflight(s)
+        except ConfigError as exc:
+            self.state.set_ready(False, "failed")
+            print(f"alpamayo-worker: {exc}", file=sys.stderr, flush=True)
+            return EXIT_REFUSED
         # -- engine: load and warm on the engine thread --------------------------------------
         self.engine_busy = True
         load = loop.run_in_executor(self._engine_pool, self.engine_loader, self.engine, s)
