@@ -537,8 +537,10 @@ async def test_rebalances_mid_run_lose_nothing_and_two_workers_split_the_partiti
     assert probe_held and probe_held < {0, 1, 2, 3}
     out = await collect(kafka_bootstrap, res_t, dl_t, partitions=4, expected=[r.request_id for r in first],
                         timeout=180, settle=1.0)
-    assert {i: len(v) for i, v in out.by_id.items()} == {r.request_id: 1 for r in first}, \
-        "a rebalance with work in flight lost or repeated a request"
+    # at_least_once: a record whose result was published but whose commit lost the race with the
+    # revoke is delivered again (allowed; exactly_once is tested with SIGKILL above). Nothing is lost.
+    assert set(out.by_id) == {r.request_id for r in first}, "a rebalance with work in flight lost a request"
+    assert all(len(v) <= 2 for v in out.by_id.values())
     deadline = time.monotonic() + 30            # the leave's rebalance may land after the last result
     while True:
         revokes = [ln for ln in a.log_path.read_text(errors="replace").splitlines() if "revoked" in ln]
