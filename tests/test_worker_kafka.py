@@ -519,9 +519,11 @@ async def test_rebalances_mid_run_lose_nothing_and_two_workers_split_the_partiti
         kafka_bootstrap, topic_factory, tiny, scene, tmp_path, procs):
     ckpt, _ = tiny
     req_t, res_t, dl_t = [await topic_factory(4, prefix=p) for p in ("req", "res", "dl")]
-    # long reasoning, one request per batch: a real backlog when the rebalance comes
+    # A lone K=2 request waits 30 s for a mate, far longer than the group takes to rebalance: the first
+    # revoke meets queued work whatever the speed of the machine (a backlog of K=1 work alone
+    # can drain before the group settles). Its mate is published after the probe has left.
     envs = {name: worker_env(kafka_bootstrap, req_t, res_t, dl_t, "g-pair", name, free_port(), ckpt,
-                             ALPAMAYO_MAX_REASONING_TOKENS="128", ALPAMAYO_MAX_BATCH_SIZE="1")
+                             NIM_ALPAMAYO_TRAJ_SAMPLES="1,2", ALPAMAYO_MAX_BATCH_WAIT_MS="30000")
             for name in ("w-a", "w-b")}
     a = Proc(envs["w-a"], tmp_path / "w-a.log")
     procs.append(a)
@@ -529,12 +531,15 @@ async def test_rebalances_mid_run_lose_nothing_and_two_workers_split_the_partiti
 
     # phase 1: while w-a works through a backlog, a member joins (rebalance: everything revoked
     # and reassigned) and leaves again (second rebalance)
-    first = trajectory_requests(scene, 16, "pair1")
+    lone, mate = trajectory_requests(scene, 2, "pair1-k2", k=2)
+    first = [lone] + trajectory_requests(scene, 16, "pair1")
     await produce(kafka_bootstrap, req_t, [request_item(r) for r in first], partition_of=lambda i: i % 4)
     await collect(kafka_bootstrap, res_t, dl_t, partitions=4, expected=[], timeout=120,
                   stop_when=lambda o: len(o.by_id) >= 2)
     probe_held = await join_and_leave(kafka_bootstrap, "g-pair", req_t)
     assert probe_held and probe_held < {0, 1, 2, 3}
+    await produce(kafka_bootstrap, req_t, [request_item(mate)], partition_of=lambda i: 0)
+    first.append(mate)
     out = await collect(kafka_bootstrap, res_t, dl_t, partitions=4, expected=[r.request_id for r in first],
                         timeout=180, settle=1.0)
     # at_least_once: a record whose result was published but whose commit lost the race with the
@@ -566,7 +571,8 @@ async def test_rebalances_mid_run_lose_nothing_and_two_workers_split_the_partiti
     await produce(kafka_bootstrap, req_t, [request_item(r) for r in second], partition_of=lambda i: i % 4)
     expected = [r.request_id for r in first + second]
     out = await collect(kafka_bootstrap, res_t, dl_t, partitions=4, expected=expected, timeout=150, settle=1.0)
-    assert {i: len(v) for i, v in out.by_id.items()} == {i: 1 for i in expected}
+    assert set(out.by_id) == set(expected)
+    assert {r.request_id: len(out.by_id[r.request_id]) for r in second} == {r.request_id: 1 for r in second}
     served = defaultdict(set)
     for r in second:
         (res,) = out.by_id[r.request_id]
