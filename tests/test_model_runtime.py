@@ -271,3 +271,17 @@ def test_persistent_cache_path_matches(ckpt):
     c = graphed.run([scene(2, k=1, temperature=0.0), scene(3, k=1, temperature=0.0)])
     d = plain.run([scene(2, k=1, temperature=0.0), scene(3, k=1, temperature=0.0)])
     assert [x.token_ids for x in c] == [x.token_ids for x in d]
+
+
+def test_frames_shrunk_at_intake_give_the_same_results(rt):
+    """Large frames reduced by ImageProcessing.shrink (what intake keeps while a job is queued)
+    run exactly like the full-size frames; frames already at the target size are kept as is."""
+    big = scene(3, size=256, temperature=0.0)
+    shrunk = SceneRequest(**{**vars(big), "request_id": "shrunk",
+                             "frames": np.stack([rt.image_proc.shrink(f) for f in big.frames])})
+    assert shrunk.frames.dtype == np.float32 and shrunk.frames.nbytes < big.frames.nbytes
+    a, b = rt.run([big, shrunk])
+    assert a.error is None and b.error is None
+    assert a.texts == b.texts and np.array_equal(a.trajectories, b.trajectories)
+    small = scene(4).frames[0]
+    assert rt.image_proc.shrink(small).dtype == np.uint8 and np.array_equal(rt.image_proc.shrink(small), small)

@@ -86,13 +86,11 @@ async def test_fuzz_10000_bad_through_a_real_worker(kafka_bootstrap, tmp_path):
     assert_fuzz(fig, 10_000, 200)
 
 
-@pytest.mark.xfail(strict=True, reason="worker holds full-resolution decoded frames of every in-flight job "
-                                       "(~0.5 GB per 24 x 1920x1080 request, up to ALPAMAYO_MAX_INFLIGHT=64 jobs): "
-                                       "reported to the lead (docs/reliability.md, 'Findings')")
 async def test_legal_but_huge_images_keep_worker_memory_bounded(kafka_bootstrap, tmp_path):
     """Requests that pass every limit but carry 24 large frames (a uniform 1920x1080 PNG
     compresses to ~8 KB, so one message is ~200 KB): the worker's RSS must not grow with the
-    number of such jobs in flight. Measured: +~1.9 GB for 4 such requests."""
+    number of such jobs in flight (intake keeps each frame at the model's target size; before it
+    did, 4 such requests took +1.9 GB)."""
     from aiokafka import AIOKafkaProducer
     import msgspec
 

@@ -101,6 +101,10 @@ class Engine:
             log.info("warmed K=%s in %.1fs", list(self.settings.k_values), time.perf_counter() - t0)
         del torch
 
+    def shrink_frame(self, frame):
+        """A decoded frame reduced to what the model will read (see ImageProcessing.shrink)."""
+        return frame if self.runtime is None else self.runtime.image_proc.shrink(frame)
+
     def infer(self, batch: list[SceneRequest]) -> list[SceneResult]:
         return self.runtime.run(batch)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -133,8 +133,10 @@ class Intake:
     """Turns records into jobs. ``default_seed(request_id) -> int`` seeds requests without a seed."""
 
     def __init__(self, settings: Settings, default_seed, fetcher: ClaimCheckFetcher | None = None,
-                 max_image_pixels: int = MAX_IMAGE_PIXELS, max_request_pixels: int = MAX_REQUEST_PIXELS):
+                 max_image_pixels: int = MAX_IMAGE_PIXELS, max_request_pixels: int = MAX_REQUEST_PIXELS,
+                 shrink_frame: Callable[[np.ndarray], np.ndarray] | None = None):
         self.settings = settings
+        self.shrink_frame = shrink_frame      # the model's resize, so queued jobs hold small frames
         self.k_values = tuple(settings.k_values)
         self.default_seed = default_seed
         self.fetcher = fetcher if fetcher is not None else ClaimCheckFetcher(settings.claim_check_roots)
@@ -216,7 +218,7 @@ class Intake:
                 raise ContractError(ErrorCode.BAD_IMAGE, f"$.images[{i}]",
                                     f"decoded to {arr.shape[1]}x{arr.shape[0]}, header says "
                                     f"{sizes[i][0]}x{sizes[i][1]}")
-            frames.append(arr)
+            frames.append(self.shrink_frame(arr) if self.shrink_frame is not None else arr)
         return frames
 
     # ------------------------------------------------------------------ the runtime's request

@@ -123,21 +123,41 @@ class ImageProcessing:
             w = math.ceil(width * beta / factor) * factor
         return h, w
 
-    def tokens_per_image(self, height: int, width: int) -> int:
-        h, w = self.target_size(height, width)
-        return (h // self.patch_size) * (w // self.patch_size) // (self.merge_size ** 2)
+    def _resize(self, frames: torch.Tensor) -> torch.Tensor:
+        """(N, H, W, 3) uint8 -> (N, 3, th, tw) fp32 in [0, 1]: float resize of x/255 (bicubic,
+        antialiased) to `target_size`. Each image is resized on its own (batching is exact)."""
+        th, tw = self.target_size(frames.shape[1], frames.shape[2])
+        x = frames.permute(0, 3, 1, 2).float() / 255.0
+        if (th, tw) != tuple(x.shape[2:]):
+            x = F.interpolate(x, size=(th, tw), mode="bicubic", antialias=True, align_corners=False)
+        return x
+
+    def shrink(self, frame: np.ndarray) -> np.ndarray:
+        """One decoded frame (H, W, 3) uint8 -> what is worth keeping until the batch runs.
+
+        A frame larger than the model's target size becomes its resized float frame
+        (th, tw, 3) fp32 in [0, 1] - exactly what `__call__` would compute from it later - so a
+        queued 1920x1080 frame costs th*tw*12 bytes instead of 6 MB. Frames at or below the target
+        size are returned unchanged (uint8 is the smaller form then)."""
+        th, tw = self.target_size(frame.shape[0], frame.shape[1])
+        if th * tw >= frame.shape[0] * frame.shape[1]:
+            return frame
+        x = self._resize(torch.from_numpy(np.ascontiguousarray(frame))[None])
+        return x[0].permute(1, 2, 0).contiguous().numpy()
 
     def __call__(self, frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """frames (N, H, W, 3) uint8 (one size) -> pixel_values (N*gh*gw, 3*T*P*P) fp32, grid (N, 3).
+        """frames (N, H, W, 3) uint8, or fp32 frames already resized by `shrink` (one size)
+        -> pixel_values (N*gh*gw, 3*T*P*P) fp32, grid (N, 3).
 
         Float resize of x/255 (bicubic, antialiased), normalise, patchify in the exact order of
         transformers' Qwen2-VL processor (each still image duplicated over the temporal patch).
         """
-        n, height, width, _ = frames.shape
-        th, tw = self.target_size(height, width)
-        x = frames.permute(0, 3, 1, 2).float() / 255.0
-        if (th, tw) != (height, width):
-            x = F.interpolate(x, size=(th, tw), mode="bicubic", antialias=True, align_corners=False)
+        n = frames.shape[0]
+        if frames.dtype == torch.uint8:
+            x = self._resize(frames)
+        else:
+            x = frames.permute(0, 3, 1, 2).float()
+        th, tw = x.shape[2], x.shape[3]
         mean = torch.tensor(self.image_mean, device=x.device).view(1, 3, 1, 1)
         std = torch.tensor(self.image_std, device=x.device).view(1, 3, 1, 1)
         x = (x - mean) / std

@@ -208,9 +208,8 @@ class AlpamayoRuntime:
             if fut_rot.shape[-1] == 4:
                 fut_rot = quat_wxyz_to_matrix(fut_rot)
             future_ids = self.future_tok.encode(hist_xyz, hist_rot, fut_xyz, fut_rot[None])[0]
-        h, w = int(req.frames.shape[1]), int(req.frames.shape[2])
-        spec = PromptSpec(req.task, tuple(req.camera_ids), req.num_frames, self.image_proc.tokens_per_image(h, w),
-                          req.nav_text, req.question)
+        tokens_per_image = int(grid[0, 1] * grid[0, 2]) // self.image_proc.merge_size ** 2
+        spec = PromptSpec(req.task, tuple(req.camera_ids), req.num_frames, tokens_per_image, req.nav_text, req.question)
         input_ids = self.prompts.encode(spec, history_ids, future_ids)
         positions, delta = mrope_positions(input_ids, grid, self.ids.image_pad, self.image_proc.merge_size)
         _sync(self.device)
