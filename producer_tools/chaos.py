@@ -43,8 +43,9 @@ Figures (one row per run; ``--json`` prints them as JSON too)
 ``published`` request ids acknowledged (run manifest); ``results`` / ``dead letters`` rows in the
 lake (fuzz: records on the topics); ``lost`` published ids with no row (``audit``'s missing);
 ``duplicated`` rows beyond the first per request id, *raw*, before any deduplication (at-least-once
-re-deliveries; always 0 in exactly_once); ``after dedup`` the same once the lake is read one row
-per request id (what a consumer of the lake sees); ``lake dup`` a Kafka record present twice in the
+re-deliveries; always 0 in exactly_once); ``after dedup`` the same once each table is read one row
+per request id (``read_lake(..., dedupe=True)``; a request answered by a dead letter and later by
+a result keeps both rows); ``lake dup`` a Kafka record present twice in the
 lake (the sink's exactly-once: must be 0); ``kills`` faults injected (worker SIGKILLs + sink
 SIGKILLs + broker stops); ``restarts`` processes started again (worker restarts, planned or after
 an unplanned exit, sink and broker restarts); ``exits`` unplanned worker exits (a worker that gave
@@ -1419,6 +1420,9 @@ class Pipeline:
         f.lost = len(lost)
         f.duplicated = sum(c - 1 for c in ids.values() if c > 1)
         f.lake_duplicates = sum(c - 1 for c in coords.values() if c > 1)
+        deduped = Counter(r["request_id"] for t in ("results", "dead_letters")
+                          for r in read_lake(str(self.lake), t, columns=["request_id"], dedupe=True).to_pylist())
+        f.duplicated_after_dedup = sum(c - 1 for c in deduped.values() if c > 1)
         rep = audit_run(self.run_id, str(self.lake), runs_dir=str(self.runs))
         f.extra["audit"] = ("COMPLETE" if rep.complete else "INCOMPLETE") + \
             f" (missing {len(rep.missing)}, failed {len(rep.failed)}, redelivered {len(rep.duplicated)})"

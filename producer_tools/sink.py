@@ -88,6 +88,7 @@ __all__ = [
     "rows_to_table",
     "scan_ranges",
     "read_lake",
+    "one_row_per_request",
     "SinkOptions",
     "LakeSink",
     "run_sink",
@@ -391,9 +392,34 @@ def check_ranges(topic: str, partition: int, ranges: list[tuple[int, int]]) -> N
                             "refusing to write (was a sink run without the partition lock?)")
 
 
+_COORDS = ("kafka_topic", "kafka_partition", "kafka_offset")
+
+
+def one_row_per_request(tbl: pa.Table) -> pa.Table:
+    """At-least-once re-deliveries removed: of the rows sharing a ``request_id``, the one of the
+    earliest Kafka record (topic, partition, offset) is kept; rows without a request id are kept.
+    Deterministic (the lake's files are), and in the lake's row order otherwise."""
+    import pyarrow.compute as pc
+
+    idx = pa.array(range(tbl.num_rows), pa.int64())
+    keyed = tbl.select(["request_id", *_COORDS]).append_column("_row", idx)
+    keyed = keyed.take(pc.sort_indices(keyed, [(c, "ascending") for c in ("request_id", *_COORDS)]))
+    first = keyed.filter(pc.is_valid(keyed["request_id"])).group_by("request_id", use_threads=False) \
+        .aggregate([("_row", "first")]).column("_row_first")
+    keep = pa.concat_arrays([first.combine_chunks().cast(pa.int64()),
+                             keyed.filter(pc.is_null(keyed["request_id"]))["_row"].combine_chunks()])
+    return tbl.take(pc.take(keep, pc.sort_indices(keep)))
+
+
 def read_lake(lake: str | os.PathLike, table: str = "results", run_id: str | None = None,
-              columns: list[str] | None = None) -> pa.Table:
-    """The table (with ``run_id`` and ``date`` from the path), optionally one run's rows only."""
+              columns: list[str] | None = None, dedupe: bool = False) -> pa.Table:
+    """The table (with ``run_id`` and ``date`` from the path), optionally one run's rows only;
+    ``dedupe``: one row per request id (`one_row_per_request`), what lake consumers usually want
+    from an at-least-once run."""
+    if dedupe:
+        cols = None if columns is None else list(dict.fromkeys([*columns, "request_id", *_COORDS]))
+        tbl = one_row_per_request(read_lake(lake, table, run_id, cols))
+        return tbl.select(columns) if columns else tbl
     import pyarrow.dataset as ds
 
     schema = pa.schema(list(TABLES[table]) + list(PARTITION_SCHEMA))

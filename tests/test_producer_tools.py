@@ -583,3 +583,20 @@ def test_qualify_tiny_random_checkpoint_makes_table_and_plots(tmp_path):
     js = json.loads((out / "qualification.json").read_text())
     assert len(js["measurements"]) == 5 and js["meta"]["head_kind"] == "random"
     assert set(js["meta"]["warmup_ms"]) == set(S.TASKS)                          # one untimed warm-up per task
+
+
+async def test_dedupe_read_keeps_the_earliest_record_of_each_request(tmp_path):
+    """At-least-once re-deliveries (a second result record for a request, later in the log) are
+    kept by the sink as the Kafka records they are, and removed by read_lake(dedupe=True)."""
+    first = result_records(6)
+    again = [first[1], first[4]]               # re-delivered later: same key and value, new offsets
+    recs = first + [Rec(r.topic, r.partition, 6 + i, r.timestamp + 60_000, r.key, r.value, r.headers)
+                    for i, r in enumerate(again)]
+    await _sink_pass(tmp_path, recs, FakeConsumer(), rotate_rows=3)
+    raw = K.read_lake(tmp_path, "results", columns=["request_id", "kafka_offset"]).to_pylist()
+    assert len(raw) == 8
+    deduped = K.read_lake(tmp_path, "results", columns=["request_id", "kafka_offset"], dedupe=True).to_pylist()
+    assert sorted(r["request_id"] for r in deduped) == sorted({r.key.decode() for r in first})
+    assert {r["request_id"]: r["kafka_offset"] for r in deduped} == {r.key.decode(): r.offset for r in first}
+    one_run = K.read_lake(tmp_path, "results", run_id="runB", dedupe=True)
+    assert one_run.num_rows == 2 and "run_id" in one_run.column_names
