@@ -385,6 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.verbose < 2:
         logging.getLogger("aiokafka").setLevel(max(level, logging.WARNING))
+        from worker import log_filter
+        log_filter.install()
     from worker.config import ConfigError
 
     try:

@@ -32,6 +32,8 @@ def _logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level, logging.INFO), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLogger().level))
+    from worker import log_filter
+    log_filter.install()
 
 
 # --------------------------------------------------------------------------------------------
