@@ -264,26 +264,18 @@ TABLE_COLUMNS = [
 ]
 
 
+def _breakdown(total: int, worker: int, sink: int, broker: int) -> str:
+    """'12 (10 worker, 2 sink)': the parts are named when there are several or a broker is one."""
+    parts = [f"{n} {what}" for n, what in ((worker, "worker"), (sink, "sink"), (broker, "broker")) if n]
+    return f"{total}" + (f" ({', '.join(parts)})" if len(parts) > 1 or broker else "")
+
+
 def _kills_text(f: Figures) -> str:
-    parts = []
-    if f.worker_kills:
-        parts.append(f"{f.worker_kills} worker")
-    if f.sink_kills:
-        parts.append(f"{f.sink_kills} sink")
-    if f.broker_faults:
-        parts.append(f"{f.broker_faults} broker")
-    return f"{f.kills}" + (f" ({', '.join(parts)})" if len(parts) > 1 or f.broker_faults else "")
+    return _breakdown(f.kills, f.worker_kills, f.sink_kills, f.broker_faults)
 
 
 def _restarts_text(f: Figures) -> str:
-    parts = []
-    if f.worker_restarts:
-        parts.append(f"{f.worker_restarts} worker")
-    if f.sink_restarts:
-        parts.append(f"{f.sink_restarts} sink")
-    if f.broker_restarts:
-        parts.append(f"{f.broker_restarts} broker")
-    return f"{f.restarts}" + (f" ({', '.join(parts)})" if len(parts) > 1 or f.broker_restarts else "")
+    return _breakdown(f.restarts, f.worker_restarts, f.sink_restarts, f.broker_restarts)
 
 
 def format_table(figs: Iterable[Figures]) -> str:

@@ -142,7 +142,7 @@ class ImageProcessing:
         th, tw = self.target_size(frame.shape[0], frame.shape[1])
         if th * tw >= frame.shape[0] * frame.shape[1]:
             return frame
-        x = self._resize(torch.from_numpy(np.ascontiguousarray(frame))[None])
+        x = self._resize(torch.from_numpy(np.array(frame))[None])    # a copy: decoded frames are read-only
         return x[0].permute(1, 2, 0).contiguous().numpy()
 
     def __call__(self, frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
