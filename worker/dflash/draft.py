@@ -27,7 +27,9 @@ import torch
 from torch import nn
 
 from worker.dflash.head import HeadConfig
-from worker.model.decoder import apply_rope, attend, rope_cos_sin
+from worker.model.attention import attend
+from worker.model.decoder import apply_rope, rope_cos_sin
+from worker.model.layers import FusedStack
 
 
 class _RMSNorm(nn.Module):
@@ -103,6 +105,7 @@ class DraftModel(nn.Module):
         d = c.head_dim
         self.register_buffer("inv_freq", 1.0 / (c.rope_theta ** (torch.arange(0, d, 2).float() / d)),
                              persistent=False)
+        self._stack: FusedStack | None = None        # GPU path, built on first use (fuses projections)
 
     # ---------------------------------------------------------------- pieces
     def project(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -147,6 +150,17 @@ class DraftModel(nn.Module):
             h = h + a.o_proj(o.transpose(1, 2).reshape(b, t, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
+
+    def block_hidden_fused(self, block_emb: torch.Tensor, start: torch.Tensor, rope_delta: torch.Tensor,
+                           caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """`block_hidden` on the GPU path: the block's K/V are written into each draft layer's
+        context cache (>= B, Hkv, L, D) at columns start[b]..start[b]+T-1 (free columns: the
+        target's verify writes the committed context there afterwards) and the block attends
+        columns [0, start[b] + T), non-causally. block_emb (B, T, H); start (B,) -> (B, T, H)."""
+        if self._stack is None:
+            self._stack = FusedStack(self.layers, self.config.head_dim)
+        h, _ = self._stack.run(block_emb, caches, start, rope_delta, self.inv_freq, 1.0, causal=False)
+        return self._stack.final_norm(h, self.norm)
 
     # ---------------------------------------------------------------- io
     @classmethod

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from worker.dflash.draft import DraftModel
+from worker.model.fused_ops import available as fused_available
 
 
 class Proposer:
@@ -77,11 +78,14 @@ class Proposer:
         n = self.block_size
         block = torch.full((b, n), self.mask_token_id, dtype=torch.long, device=dev)
         block[:, 0] = next_token
-        positions = lengths[:, None] + torch.arange(n, device=dev) + rope_delta[:, None]
-        ctx = [(k[:b, :, :s], v[:b, :, :s]) for k, v in zip(self.k, self.v)]
-        visible = torch.arange(s, device=dev)[None, :] < lengths[:, None]
         emb = self.embed(block).to(self.k[0].dtype)
-        h = self.draft.block_hidden(emb, positions, ctx, visible)          # (B, n, H)
+        if fused_available(emb):
+            h = self.draft.block_hidden_fused(emb, lengths, rope_delta, list(zip(self.k, self.v)))
+        else:
+            positions = lengths[:, None] + torch.arange(n, device=dev) + rope_delta[:, None]
+            ctx = [(k[:b, :, :s], v[:b, :, :s]) for k, v in zip(self.k, self.v)]
+            visible = torch.arange(s, device=dev)[None, :] < lengths[:, None]
+            h = self.draft.block_hidden(emb, positions, ctx, visible)      # (B, n, H)
         logits = self.lm_head(h[:, 1:]).float().masked_fill(banned, float("-inf"))
         cand_logits, cand = logits.topk(self.num_candidates, dim=-1)      # (B, n-1, C)
         cand_emb = self.embed(cand).to(h.dtype)                            # (B, n-1, C, H)

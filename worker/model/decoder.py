@@ -21,7 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.model.attention import attend_reference
+from worker.model.fused_ops import available as fused_available
 from worker.model.graphs import GraphCache
+from worker.model.layers import FusedStack
 
 
 class StaticKVCache:
@@ -77,56 +80,10 @@ def qkv(attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Grouped-query attention for few queries over a long cache, reading each K/V head once.
-
-    q (B, Hq, T, D); k, v (B, Hkv, S, D); mask (B, 1, T, S) bool (True = attend).
-    Query head h uses KV head h // (Hq / Hkv), as transformers' repeat_kv does. Scores and
-    softmax in fp32.
-    """
-    b, hq, t, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
-    g = hq // hkv
-    qg = q.reshape(b, hkv, g * t, d)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (d ** -0.5)       # (B, Hkv, G*T, S)
-    m = mask.expand(b, 1, t, s)
-    if g > 1:
-        m = m[:, :, None].expand(b, 1, g, t, s).reshape(b, 1, g * t, s)
-    probs = torch.softmax(scores.masked_fill(~m, float("-inf")), dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).reshape(b, hq, t, d)
-
-
 def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """transformers' Qwen3 RMSNorm (normalise in fp32, cast back, then scale) with a fused kernel."""
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
     return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
-
-def _fuse(mods: list[nn.Module]) -> nn.Module | None:
-    """One projection whose output is the concatenation of `mods`' outputs; the original
-    modules' weights become views into it (no extra memory). None if they cannot be fused."""
-    from worker.model.fp8 import Fp8Linear
-
-    if all(type(m) is nn.Linear and m.bias is None for m in mods):
-        w = torch.cat([m.weight.data for m in mods])
-        fused = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
-        fused.weight = nn.Parameter(w, requires_grad=False)
-        off = 0
-        for m in mods:
-            n = m.weight.shape[0]
-            m.weight = nn.Parameter(w[off:off + n], requires_grad=False)
-            off += n
-        return fused
-    if all(isinstance(m, Fp8Linear) and m.bias is None for m in mods):
-        fused = Fp8Linear.from_parts(torch.cat([m.weight for m in mods]), torch.cat([m.weight_scale for m in mods]),
-                                     mods[0].compute_dtype)
-        off = 0
-        for m in mods:
-            n = m.weight.shape[0]
-            m.weight, m.weight_scale = fused.weight[off:off + n], fused.weight_scale[off:off + n]
-            off += n
-        return fused
-    return None
 
 
 @dataclass
@@ -155,18 +112,12 @@ class TextDecoder:
     def fuse(self) -> None:
         """Fuse q/k/v and gate/up projections per layer (fewer, larger matrix-vector products in
         decode). Call again after swapping weights (e.g. fp8 quantisation)."""
-        self._fused = []
-        for layer in self.lm.layers:
-            a, m = layer.self_attn, layer.mlp
-            qkv = _fuse([a.q_proj, a.k_proj, a.v_proj])
-            gate_up = _fuse([m.gate_proj, m.up_proj])
-            sizes = (a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features)
-            self._fused.append((qkv, gate_up, sizes))
+        self.stack = FusedStack(self.lm.layers, self.head_dim)
 
     def step(self, input_ids: torch.Tensor, start: torch.Tensor, rope_delta: torch.Tensor, cache: StaticKVCache,
              context_len: int, capture: tuple[int, ...] = ()) -> StepOutput:
         """`forward`, replayed as a CUDA graph per (rows, T, capture) over the persistent cache
-        (attending over its whole capacity, masked) when graphs are on; eager otherwise."""
+        when graphs are on; eager otherwise."""
         if cache is self.persistent:
             key = ("decode", tuple(input_ids.shape), capture)
             return self.graphs.run(
@@ -185,24 +136,32 @@ class TextDecoder:
         rope_delta (B,) long; context_len: host int >= max(start) + T (keys attended).
         Row b's token t attends keys [0, start[b] + t].
         """
-        b, t = input_ids.shape
-        dev = input_ids.device
-        offs = torch.arange(t, device=dev)
-        write = start[:, None] + offs                                    # (B, T)
+        h = self.lm.embed_tokens(input_ids).to(cache.k.dtype)
+        if fused_available(h):
+            caches = [(cache.k[i], cache.v[i]) for i in range(self.num_layers)]
+            h, hidden = self.stack.run(h, caches, start, rope_delta, self.inv_freq, self.rope_scaling,
+                                       causal=True, capture=capture)
+            logits = self.lm_head(self.stack.final_norm(h, self.lm.norm)).float()
+            return StepOutput(logits=logits, hidden=hidden)
+        return self._forward_reference(h, start, rope_delta, cache, context_len, capture)
+
+    def _forward_reference(self, h: torch.Tensor, start: torch.Tensor, rope_delta: torch.Tensor,
+                           cache: StaticKVCache, context_len: int, capture: tuple[int, ...]) -> StepOutput:
+        """`forward` in plain torch ops over the first context_len cache columns (CPU, exact fp32)."""
+        b, t = h.shape[:2]
+        dev = h.device
+        write = start[:, None] + torch.arange(t, device=dev)             # (B, T)
         cos, sin = rope_cos_sin(write + rope_delta[:, None], self.inv_freq, cache.k.dtype,
                                 self.rope_scaling)
-        keys = torch.arange(context_len, device=dev)
-        mask = (keys[None, None, :] <= write[:, :, None])[:, None]       # (B, 1, T, S)
         idx = write[:, None, :, None].expand(b, self.kv_heads, t, self.head_dim)
-        h = self.lm.embed_tokens(input_ids).to(cache.k.dtype)
         hidden: dict[int, torch.Tensor] = {}
         d = self.head_dim
         for i, layer in enumerate(self.lm.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            fused_qkv, fused_gate_up, sizes = self._fused[i]
+            fused_qkv, fused_gate_up, (hq, hkv) = self.stack.parts[i]
             x = rms_norm(h, layer.input_layernorm)
             if fused_qkv is not None:
-                q, k, v = fused_qkv(x).split(sizes, dim=-1)
+                q, k, v = fused_qkv(x).split((hq * d, hkv * d, hkv * d), dim=-1)
             else:
                 q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
             q = apply_rope(rms_norm(q.view(b, t, -1, d), attn.q_norm).transpose(1, 2), cos, sin)
@@ -211,8 +170,9 @@ class TextDecoder:
             ck, cv = cache.k[i, :b], cache.v[i, :b]
             ck.scatter_(2, idx, k.to(ck.dtype))
             cv.scatter_(2, idx, v.to(cv.dtype))
-            o = attend(q, ck[:, :, :context_len], cv[:, :, :context_len], mask)
-            h = h + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+            o = attend_reference(q.transpose(1, 2), ck[:, :, :context_len], cv[:, :, :context_len],
+                                 start + t, causal=True)
+            h = h + attn.o_proj(o.reshape(b, t, -1))
             x = rms_norm(h, layer.post_attention_layernorm)
             if fused_gate_up is not None:
                 g, u = fused_gate_up(x).chunk(2, dim=-1)

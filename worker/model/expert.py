@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from worker.model.decoder import StaticKVCache, attend, qkv, rope_cos_sin
+from worker.model.attention import attend
+from worker.model.decoder import StaticKVCache, qkv, rope_cos_sin
+from worker.model.fused_ops import available as fused_available
 from worker.model.graphs import GraphCache
+from worker.model.layers import FusedStack
 from worker.model.modules import ExpertModel
 from worker.model.sampling import normal
 
@@ -27,18 +30,26 @@ class ActionExpert:
         self.inv_freq = expert.expert.rotary_emb.inv_freq
         self.rope_scaling = float(getattr(expert.expert.rotary_emb, "attention_scaling", 1.0))
         self.num_waypoints = num_waypoints
+        self.stack = FusedStack(expert.expert.layers, self.head_dim)
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cache: StaticKVCache, offset: torch.Tensor,
                  rope_delta: torch.Tensor, context_len: int) -> torch.Tensor:
         """x (R, W, 2) noisy action, t (R, 1, 1) in [0, 1] -> velocity (R, W, 2) fp32.
 
         offset (R,) long: cache columns [0, offset) are visible (prompt + reasoning up to and
-        including `<|traj_future_start|>`); context_len >= max(offset) (host int).
+        including `<|traj_future_start|>`); context_len >= max(offset) (host int). On the GPU path
+        the cache needs W free columns after each row's offset.
         """
         r, w = x.shape[0], self.num_waypoints
         dev = x.device
         dtype = cache.k.dtype
         h = self.m.action_in_proj(x, t).to(dtype)                         # (R, W, He)
+        if fused_available(h):
+            # action K/V go into cache columns [offset, offset + W) (past every row's reasoning),
+            # so each row attends one contiguous range [0, offset + W)
+            caches = [(cache.k[i], cache.v[i]) for i in range(len(self.stack.layers))]
+            h, _ = self.stack.run(h, caches, offset, rope_delta, self.inv_freq, self.rope_scaling, causal=False)
+            return self.m.action_out_proj(self.stack.final_norm(h, self.m.expert.norm)).float()
         positions = offset[:, None] + torch.arange(w, device=dev) + rope_delta[:, None]
         cos, sin = rope_cos_sin(positions, self.inv_freq, dtype, self.rope_scaling)
         cols = torch.arange(context_len, device=dev)
@@ -72,7 +83,7 @@ class ActionExpert:
         """Flow matching from seeded noise; keys (R,) int64 per-sample noise keys.
 
         With `graphs` (over the persistent cache) the whole loop replays as one CUDA graph per
-        rows bucket, attending over the cache capacity (masked). Returns the action (R, W, 2) fp32.
+        rows bucket. Returns the action (R, W, 2) fp32.
         """
         x = normal(keys, (self.num_waypoints, 2)).to(offset.device)
         if graphs is not None:                      # persistent cache: attend over its capacity

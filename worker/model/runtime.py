@@ -284,7 +284,9 @@ class AlpamayoRuntime:
         real = len(ok) * k
         plens = [len(p.input_ids) for p in ok]
         block = self.speculator.block_size if speculate else 1
-        need = max(pl + mn for pl, mn in zip(plens, max_new)) + block + 1
+        # + the expert's action columns after each row's reasoning (GPU path writes them there)
+        tail = self.expert.num_waypoints if task == "trajectory" else 0
+        need = max(pl + mn for pl, mn in zip(plens, max_new)) + max(block + 1, tail)
         cache, rows = self._cache_for(real, need)
         if speculate:
             persistent = cache is self.decoder.persistent

@@ -69,9 +69,15 @@ class SamplingParams:
     temperature: torch.Tensor    # float32; 0 -> greedy
     top_p: torch.Tensor          # float32 in (0, 1]
     top_k: torch.Tensor          # int64; 0 -> off
+    all_greedy: bool | None = None   # every row greedy (read from `temperature` once, on first use)
 
     def select(self, rows: torch.Tensor) -> "SamplingParams":
         return SamplingParams(self.key[rows], self.temperature[rows], self.top_p[rows], self.top_k[rows])
+
+    def greedy_only(self) -> bool:
+        if self.all_greedy is None:
+            self.all_greedy = bool((self.temperature <= 0).all())
+        return self.all_greedy
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -99,8 +105,11 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 def sample(logits: torch.Tensor, params: SamplingParams, position: torch.Tensor) -> torch.Tensor:
     """logits (B, T, V), position (B, T) absolute positions of the tokens being chosen -> (B, T).
 
-    Greedy rows take argmax; others the exponential race with position-keyed noise.
+    Greedy rows take argmax; others the exponential race with position-keyed noise. A batch of
+    greedy rows only skips the filtering and the noise (a sort of every row's vocabulary).
     """
+    if params.greedy_only():
+        return logits.argmax(-1)
     probs = filtered_probs(logits, params)
     u = uniform(params.key, position, logits.shape[-1])
     race = probs / (-torch.log(u))

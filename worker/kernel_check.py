@@ -1,0 +1,199 @@
+"""GPU path check: `python -m worker.kernel_check [--shape 32b|mid|tiny]`.
+
+Compares the Triton kernels of the serving path (`worker/model/attention.py`,
+`worker/model/fused_ops.py`, `worker/model/layers.py`) with the reference torch ops on fresh
+random inputs of every shape the model uses (decode, verify(8), draft block, expert), and prints
+one row per check with the relative error ||out - ref|| / ||ref|| against an fp64 reference on the
+same (rounded) inputs, and the max abs difference. Exits 1 when any check fails its bound.
+Outputs are poisoned (NaN) before each kernel run, so an unwritten element fails.
+
+On the CPU it runs the same kernels through Triton's interpreter (`TRITON_INTERPRET=1`, set by
+this module before Triton is imported) on small shapes; that is what `make test` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+if not torch.cuda.is_available():        # before Triton is imported: no GPU -> Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from worker.model.attention import attend_reference, cache_attention  # noqa: E402
+from worker.model.decoder import apply_rope, rms_norm, rope_cos_sin  # noqa: E402
+from worker.model.fused_ops import add_rms_norm, qk_norm_rope_write, reference_only, silu_mul  # noqa: E402
+
+# (rows, T, Hq, Hkv, D, capacity) per use; capacity includes free columns after the live keys
+SHAPES = {
+    "32b": {"decode": [(1, 1, 64, 8, 128, 8192), (4, 1, 64, 8, 128, 8192), (32, 1, 64, 8, 128, 4608)],
+            "verify": [(1, 8, 64, 8, 128, 8192), (4, 8, 64, 8, 128, 8192), (32, 8, 64, 8, 128, 4608)],
+            "draft": [(1, 8, 64, 8, 128, 8192), (32, 8, 64, 8, 128, 4608)],
+            "expert": [(1, 64, 16, 8, 128, 8192), (8, 64, 16, 8, 128, 4608)],
+            "hidden": 5120, "intermediate": 25600},
+    "tiny": {"decode": [(1, 1, 4, 2, 16, 96), (3, 1, 4, 2, 16, 80)],
+             "verify": [(2, 8, 4, 2, 16, 96)],
+             "draft": [(2, 8, 4, 2, 16, 64)],
+             "expert": [(2, 24, 4, 2, 16, 80)],
+             "hidden": 64, "intermediate": 160},
+}
+SHAPES["mid"] = SHAPES["tiny"]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    out64, ref64 = out.double(), ref.double()
+    if torch.isnan(out64).any():
+        return float("nan"), float("nan")
+    return (float((out64 - ref64).norm() / ref64.norm().clamp(min=1e-30)), float((out64 - ref64).abs().max()))
+
+
+def check_attention(use: str, shape, dtype, dev, gen) -> tuple[float, float]:
+    b, t, hq, hkv, d, cap = shape
+    q = torch.randn(b, t, hq, d, device=dev, generator=gen).to(dtype)
+    k = torch.randn(b, hkv, cap, d, device=dev, generator=gen).to(dtype)
+    v = torch.randn(b, hkv, cap, d, device=dev, generator=gen).to(dtype)
+    free = min(64, cap // 4)                 # columns kept free after the longest row
+    live = torch.randint(t + 1, cap - free + 1, (b,), device=dev, generator=gen)
+    live[0] = cap - free                     # one row at the longest the cache holds
+    causal = use in ("decode", "verify")
+    out = torch.full_like(q, float("nan"))
+    cache_attention(q, k, v, live, causal, out=out)
+    ref = attend_reference(q.double(), k.double(), v.double(), live, causal)
+    return rel_err(out, ref)
+
+
+def check_fused_ops(shape: dict, dtype, dev, gen) -> list[tuple[str, float, float]]:
+    rows = []
+    n, inter = shape["hidden"], shape["intermediate"]
+    x = torch.randn(5, 3, n, device=dev, generator=gen).to(dtype)
+    r = torch.randn(5, 3, n, device=dev, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(n, device=dev, generator=gen)).to(dtype)
+    norm = torch.nn.Module()
+    norm.weight, norm.variance_epsilon = w, 1e-6
+    h, y = add_rms_norm(x, w, 1e-6, residual=r)
+    rows.append(("add_rms_norm (residual)", *rel_err(y, rms_norm(x + r, norm))))
+    rows.append(("add_rms_norm (sum)", *rel_err(h, x + r)))
+    gu = torch.randn(7, 2 * inter, device=dev, generator=gen).to(dtype)
+    g, u = gu.chunk(2, dim=-1)
+    rows.append(("silu_mul", *rel_err(silu_mul(gu), torch.nn.functional.silu(g) * u)))
+    # q/k norm + rope + cache write
+    b, t, hq, hkv, d, cap = SHAPES_ACTIVE["verify"][0]
+    qkv = torch.randn(b, t, (hq + 2 * hkv) * d, device=dev, generator=gen).to(dtype)
+    qn, kn = [(1 + 0.1 * torch.randn(d, device=dev, generator=gen)).to(dtype) for _ in range(2)]
+    kc = torch.full((b + 1, hkv, cap, d), float("nan"), device=dev, dtype=dtype)
+    vc = torch.full_like(kc, float("nan"))
+    start = torch.randint(0, cap - t, (b,), device=dev, generator=gen)
+    delta = torch.randint(-3, 50, (b,), device=dev, generator=gen)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=dev).float() / d))
+    q = qk_norm_rope_write(qkv, hq, hkv, qn, kn, 1e-6, kc, vc, start, delta, inv_freq, 1.0)
+    pos = start[:, None] + torch.arange(t, device=dev)
+    cos, sin = rope_cos_sin(pos + delta[:, None], inv_freq, dtype)
+    rq, rk, rv = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+    qm, km = torch.nn.Module(), torch.nn.Module()
+    qm.weight, qm.variance_epsilon, km.weight, km.variance_epsilon = qn, 1e-6, kn, 1e-6
+    ref_q = apply_rope(rms_norm(rq.view(b, t, hq, d), qm).transpose(1, 2), cos, sin).transpose(1, 2)
+    ref_k = apply_rope(rms_norm(rk.view(b, t, hkv, d), km).transpose(1, 2), cos, sin)     # (B, Hkv, T, D)
+    idx = pos[:, None, :, None].expand(b, hkv, t, d)
+    rows.append(("qk_norm_rope_write q", *rel_err(q, ref_q)))
+    rows.append(("qk_norm_rope_write k in cache", *rel_err(kc[:b].gather(2, idx), ref_k)))
+    rows.append(("qk_norm_rope_write v in cache",
+                 *rel_err(vc[:b].gather(2, idx), rv.view(b, t, hkv, d).transpose(1, 2))))
+    return rows
+
+
+SHAPES_ACTIVE: dict = {}
+
+
+def check_model(shape: str, dtype, dev, gen) -> list[tuple[str, float, float]]:
+    """Whole stacks of a random model: decoder step (T = 1, 8), draft block, expert velocity."""
+    from worker.bench import build_model, make_runtime
+    from worker.dflash.draft import MASK_TOKEN, DraftModel
+    from worker.dflash.head import head_config_for
+
+    model, cfg, tok = build_model(shape, dev, dtype)
+    rt = make_runtime(model, cfg, tok, dev, dtype)
+    rows, cap = 3, 160
+    out = []
+    for t in (1, 8):
+        cache = rt.decoder.new_cache(rows, cap, dtype, dev)
+        cache.k.normal_(generator=gen)
+        cache.v.normal_(generator=gen)
+        ref_cache = rt.decoder.new_cache(rows, cap, dtype, dev)
+        ref_cache.k.copy_(cache.k)
+        ref_cache.v.copy_(cache.v)
+        start = torch.randint(1, cap - 72, (rows,), device=dev, generator=gen)
+        delta = torch.randint(0, 9, (rows,), device=dev, generator=gen)
+        ids = torch.randint(0, 300, (rows, t), device=dev, generator=gen)
+        fused = rt.decoder.forward(ids, start, delta, cache, cap, capture=(0,))
+        with reference_only():
+            ref = rt.decoder.forward(ids, start, delta, ref_cache, int(start.max()) + t, capture=(0,))
+        out.append((f"decoder step T={t}: logits", *rel_err(fused.logits, ref.logits)))
+        out.append((f"decoder step T={t}: captured hidden", *rel_err(fused.hidden[0], ref.hidden[0])))
+        out.append((f"decoder step T={t}: cache K", *rel_err(cache.k, ref_cache.k)))
+    # expert: 64 action columns after each row's offset
+    x = torch.randn(rows, rt.expert.num_waypoints, 2, device=dev, generator=gen)
+    tt = torch.rand(rows, 1, 1, device=dev, generator=gen)
+    offset = torch.randint(1, cap - rt.expert.num_waypoints, (rows,), device=dev, generator=gen)
+    v_fused = rt.expert.velocity(x, tt, cache, offset, delta, cap)
+    with reference_only():
+        v_ref = rt.expert.velocity(x, tt, ref_cache, offset, delta, int(offset.max()))
+    out.append(("expert velocity", *rel_err(v_fused, v_ref)))
+    # draft block over its context cache
+    hc = head_config_for(cfg, mask_token_id=tok.token_to_id(MASK_TOKEN), num_layers=1)
+    with torch.device(dev):
+        draft = DraftModel(hc).to(dtype).eval().requires_grad_(False)
+    for p in draft.parameters():
+        p.normal_(generator=gen).mul_(0.05)
+    ck = torch.randn(rows, hc.num_key_value_heads, cap, hc.head_dim, device=dev, generator=gen).to(dtype)
+    cv = torch.randn_like(ck)
+    emb = torch.randn(rows, hc.block_size, hc.hidden_size, device=dev, generator=gen).to(dtype)
+    lengths = torch.randint(1, cap - hc.block_size, (rows,), device=dev, generator=gen)
+    s = int(lengths.max())
+    visible = torch.arange(s, device=dev)[None, :] < lengths[:, None]
+    positions = lengths[:, None] + torch.arange(hc.block_size, device=dev) + delta[:, None]
+    with torch.inference_mode():
+        h_ref = draft.block_hidden(emb, positions, [(ck[:, :, :s].clone(), cv[:, :, :s].clone())], visible)
+        h_fused = draft.block_hidden_fused(emb, lengths, delta, [(ck, cv)])
+    out.append(("draft block hidden", *rel_err(h_fused, h_ref)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m worker.kernel_check", description=__doc__.split("\n")[0])
+    gpu = torch.cuda.is_available()
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="32b" if gpu else "tiny")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda" if gpu else "cpu")
+    SHAPES_ACTIVE.update(SHAPES[args.shape])
+    gen = torch.Generator(device=dev).manual_seed(1234)
+    dtypes = [torch.bfloat16, torch.float32] if gpu else [torch.float32]
+    # bounds on ||out - ref|| / ||ref||: fp32 (tf32 dots on GPU) and bf16 operands (METHOD.md)
+    bound = {torch.float32: 3e-3 if gpu else 1e-5, torch.bfloat16: 2e-2}
+    failed = 0
+    print("| check | shape (rows, T, Hq, Hkv, D, capacity) | dtype | rel err | max abs diff | status |")
+    print("|---|---|---|---|---|---|")
+    for dtype in dtypes:
+        for use in ("decode", "verify", "draft", "expert"):
+            for shape in SHAPES[args.shape][use]:
+                err, mx = check_attention(use, shape, dtype, dev, gen)
+                ok = err <= bound[dtype]
+                failed += not ok
+                print(f"| attention {use} | {shape} | {str(dtype)[6:]} | {err:.2e} | {mx:.2e} | {'ok' if ok else 'FAIL'} |")
+        for name, err, mx in check_fused_ops(SHAPES[args.shape], dtype, dev, gen):
+            ok = err <= bound[dtype]
+            failed += not ok
+            print(f"| {name} | hidden {SHAPES[args.shape]['hidden']} | {str(dtype)[6:]} | {err:.2e} | {mx:.2e} "
+                  f"| {'ok' if ok else 'FAIL'} |")
+    model_shape = "tiny" if args.shape == "tiny" else "mid"
+    for dtype in dtypes:
+        for name, err, mx in check_model(model_shape, dtype, dev, gen):
+            ok = err <= bound[dtype]
+            failed += not ok
+            print(f"| {name} | model {model_shape} | {str(dtype)[6:]} | {err:.2e} | {mx:.2e} | {'ok' if ok else 'FAIL'} |")
+    print(f"{'FAILED' if failed else 'passed'}: {failed} check(s) out of bounds")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

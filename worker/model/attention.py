@@ -1,0 +1,210 @@
+"""Attention of a few new queries per row over a static KV cache, reading only each row's live keys.
+
+Every attention of the serving path has this shape: the decoder step (T = 1) and DFlash2's
+verify step (T = 8, causal within the block), the draft head's block pass (T = 8 over its context
+cache, non-causal) and the action expert (T = 64 action tokens over the VLM cache, non-causal).
+In each, the new tokens' K/V are first written into the cache at positions
+[kv_len - T, kv_len) of their row, so the keys a row attends are one contiguous range
+[0, kv_len[b]) (causal: query t stops at kv_len[b] - T + t).
+
+On CUDA this is a split-K ("flash-decoding") Triton kernel: grid (rows x KV heads, key splits,
+query tiles); each program loads the G*T queries of one KV head (grouped-query heads share their
+K/V, read once), streams its split of live keys with an online softmax, and writes a partial
+output and log-sum-exp; a second kernel merges the splits. Splits past a row's live length do no
+work, so a CUDA graph captured at the cache capacity still reads only live keys. The split count
+depends on rows, KV heads and capacity only (never on T), so verify(8) and decode(1) sum a
+position's keys in the same order.
+
+Elsewhere (CPU, tests) `attend_reference` is the masked matmul over the same keys.
+
+Shapes: B rows, T new tokens per row, Hq query heads, Hkv KV heads (G = Hq / Hkv), L cache
+capacity, D head dim.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:                                   # Triton ships with CUDA builds of torch; CPU installs may lack it
+    import triton
+    import triton.language as tl
+except ImportError:                    # pragma: no cover - exercised only on Triton-less installs
+    triton = None
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention for few queries over a long cache, reading each K/V head once.
+
+    q (B, Hq, T, D); k, v (B, Hkv, S, D); mask (B, 1, T, S) bool (True = attend).
+    Query head h uses KV head h // (Hq / Hkv), as transformers' repeat_kv does. Scores and
+    softmax in fp32.
+    """
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qg = q.reshape(b, hkv, g * t, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (d ** -0.5)       # (B, Hkv, G*T, S)
+    m = mask.expand(b, 1, t, s)
+    if g > 1:
+        m = m[:, :, None].expand(b, 1, g, t, s).reshape(b, 1, g * t, s)
+    probs = torch.softmax(scores.masked_fill(~m, float("-inf")), dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(b, hq, t, d)
+
+
+def attend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: torch.Tensor,
+                     causal: bool) -> torch.Tensor:
+    """The same function as `cache_attention`, as masked matmuls over the cache capacity.
+
+    q (B, T, Hq, D); k_cache, v_cache (B, Hkv, L, D); kv_len (B,) -> (B, T, Hq, D) in q's dtype.
+    """
+    b, t, hq, d = q.shape
+    cap = k_cache.shape[2]
+    limit = kv_len[:, None].expand(b, t)
+    if causal:
+        limit = limit - (t - 1) + torch.arange(t, device=q.device)
+    visible = torch.arange(cap, device=q.device)[None, None, :] < limit[:, :, None]     # (B, T, L)
+    out = attend(q.transpose(1, 2), k_cache, v_cache, visible[:, None])
+    return out.transpose(1, 2).to(q.dtype)
+
+
+if triton is not None:
+    @triton.jit
+    def _split_kernel(Q, K, V, KVLEN, OPART, LPART,
+                      sq_b, sq_t, sq_h, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l,
+                      so_b, so_h, so_t, so_s, sl_b, sl_h, sl_t,
+                      qk_scale,
+                      T: tl.constexpr, G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                      SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+        pid_bh = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        b = pid_bh // HKV
+        hkv = pid_bh % HKV
+        kv_len = tl.load(KVLEN + b).to(tl.int32)
+        start = pid_s * SPLIT
+        end = tl.minimum(start + SPLIT, kv_len)
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)          # query row m = g * T + t
+        m_valid = offs_m < G * T
+        g = offs_m // T
+        t = offs_m % T
+        hq = hkv * G + g
+        offs_d = tl.arange(0, D)
+        q = tl.load(Q + b * sq_b + t[:, None] * sq_t + hq[:, None] * sq_h + offs_d[None, :],
+                    mask=m_valid[:, None] & (offs_d[None, :] < D), other=0.0)
+        if CAUSAL:
+            limit = kv_len - (T - 1) + t
+        else:
+            limit = kv_len + t * 0
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        k_base = K + b * sk_b + hkv * sk_h
+        v_base = V + b * sv_b + hkv * sv_h
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_valid = offs_n < end
+            k = tl.load(k_base + offs_n[:, None] * sk_l + offs_d[None, :], mask=n_valid[:, None] & (offs_d[None, :] < D), other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.where(offs_n[None, :] < limit[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + offs_n[:, None] * sv_l + offs_d[None, :], mask=n_valid[:, None] & (offs_d[None, :] < D), other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        has = l_i > 0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        live = m_valid & ((offs_m * 0 + start) < kv_len)
+        tl.store(OPART + b * so_b + hq[:, None] * so_h + t[:, None] * so_t + pid_s * so_s + offs_d[None, :],
+                 out, mask=live[:, None] & (offs_d[None, :] < D))
+        tl.store(LPART + b * sl_b + hq * sl_h + t * sl_t + pid_s, lse, mask=live)
+
+    @triton.jit
+    def _merge_kernel(OPART, LPART, KVLEN, OUT,
+                      so_b, so_h, so_t, so_s, sl_b, sl_h, sl_t, sout_b, sout_t, sout_h,
+                      HQ: tl.constexpr, T: tl.constexpr, D: tl.constexpr, SPLIT,
+                      S_MAX: tl.constexpr):
+        pid = tl.program_id(0)                   # (b, hq, t)
+        t = pid % T
+        hq = (pid // T) % HQ
+        b = pid // (T * HQ)
+        kv_len = tl.load(KVLEN + b).to(tl.int32)
+        used = (kv_len + SPLIT - 1) // SPLIT
+        offs_s = tl.arange(0, S_MAX)
+        s_valid = offs_s < used
+        lse = tl.load(LPART + b * sl_b + hq * sl_h + t * sl_t + offs_s, mask=s_valid, other=float("-inf"))
+        m = tl.max(lse, 0)
+        w = tl.where(s_valid, tl.exp2(lse - m), 0.0)
+        offs_d = tl.arange(0, D)
+        o = tl.load(OPART + b * so_b + hq * so_h + t * so_t + offs_s[:, None] * so_s + offs_d[None, :],
+                    mask=s_valid[:, None] & (offs_d[None, :] < D), other=0.0)
+        out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+        tl.store(OUT + b * sout_b + t * sout_t + hq * sout_h + offs_d, out.to(OUT.dtype.element_ty))
+
+
+_TARGET_PROGRAMS = 528          # ~4 waves of an H100/H200's 132 SMs
+_MAX_SPLITS = 64
+
+
+def split_plan(rows: int, kv_heads: int, m_tiles: int, capacity: int, block_n: int) -> tuple[int, int]:
+    """-> (split size in keys, number of splits) for a launch over `capacity` cache columns."""
+    want = max(1, -(-_TARGET_PROGRAMS // (rows * kv_heads * m_tiles)))
+    splits = max(1, min(want, _MAX_SPLITS, -(-capacity // block_n)))
+    size = -(-(-(-capacity // splits)) // block_n) * block_n
+    return size, -(-capacity // size)
+
+
+def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: torch.Tensor,
+                    causal: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q K^T / sqrt(D)) V over keys [0, kv_len[b]) of each row (causal: query t of T stops
+    at kv_len[b] - T + t), grouped-query heads reading their KV head once.
+
+    q (B, T, Hq, D) (any strides with D contiguous); k_cache, v_cache (>= B, Hkv, L, D) with D
+    contiguous; kv_len (B,) integer -> (B, T, Hq, D) in q's dtype (or written into `out`).
+    Triton kernel when q is on a GPU; `attend_reference` otherwise.
+    """
+    if not (q.is_cuda and triton is not None) and not _interpret():
+        res = attend_reference(q, k_cache[:q.shape[0]], v_cache[:q.shape[0]], kv_len, causal)
+        return res if out is None else out.copy_(res)
+    b, t, hq, d = q.shape
+    hkv, cap = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    rows_m = g * t
+    # one query tile per KV head where it fits (the expert's 2 x 64 queries: K/V read once)
+    block_m = 16 if rows_m <= 16 else 32 if rows_m <= 32 else 64 if rows_m <= 64 else 128
+    m_tiles = -(-rows_m // block_m)
+    block_n = 64
+    size, splits = split_plan(b, hkv, m_tiles, cap, block_n)
+    opart = torch.empty(b, hq, t, splits, d, dtype=torch.float32, device=q.device)
+    lpart = torch.empty(b, hq, t, splits, dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty(b, t, hq, d, dtype=q.dtype, device=q.device)
+    assert q.stride(3) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and out.stride(3) == 1
+    qk_scale = d ** -0.5 * 1.4426950408889634        # log2(e): the kernel works in base 2
+    _split_kernel[(b * hkv, splits, m_tiles)](
+        q, k_cache, v_cache, kv_len, opart, lpart,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3),
+        lpart.stride(0), lpart.stride(1), lpart.stride(2), qk_scale,
+        T=t, G=g, HKV=hkv, D=d, SPLIT=size, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
+        num_warps=8 if block_m == 128 else 4, num_stages=2)
+    _merge_kernel[(b * hq * t,)](
+        opart, lpart, kv_len, out,
+        opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3),
+        lpart.stride(0), lpart.stride(1), lpart.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        HQ=hq, T=t, D=d, SPLIT=size, S_MAX=max(16, triton.next_power_of_2(splits)), num_warps=4)
+    return out
+
+
+def _interpret() -> bool:
+    """TRITON_INTERPRET=1: run the Triton kernels on the CPU (tests of the GPU path)."""
+    return triton is not None and os.environ.get("TRITON_INTERPRET") == "1"

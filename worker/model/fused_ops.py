@@ -1,0 +1,163 @@
+"""Fused element-wise work of a decoder layer, as Triton kernels (GPU path; the reference ops
+live in `decoder.py` and run on the CPU).
+
+  add_rms_norm        residual add + RMSNorm in one pass (transformers' Qwen3RMSNorm rounding:
+                      normalise in fp32, cast, then scale by the weight)
+  qk_norm_rope_write  after the fused q/k/v projection: per-head RMSNorm of q and k, rotary at
+                      each token's position, q to a (B, T, Hq, D) buffer, k and v straight into
+                      the KV cache at their positions (replaces ~14 small kernels and two scatters)
+  silu_mul            silu(gate) * up over the fused gate/up projection's output
+
+Each rounds to the activation dtype where the torch reference does, so bf16 results match the
+reference up to the order of fp32 reductions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+try:                                   # Triton ships with CUDA builds of torch; CPU installs may lack it
+    import triton
+    import triton.language as tl
+except ImportError:                    # pragma: no cover
+    triton = None
+
+
+_reference_only = False
+
+
+def available(x: torch.Tensor) -> bool:
+    """True where the fused kernels run: tensors on a GPU, or TRITON_INTERPRET=1 (CPU tests),
+    unless inside `reference_only()`."""
+    return not _reference_only and triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@contextlib.contextmanager
+def reference_only():
+    """Run the reference torch ops instead of the kernels (checks compare the two)."""
+    global _reference_only
+    prev, _reference_only = _reference_only, True
+    try:
+        yield
+    finally:
+        _reference_only = prev
+
+
+if triton is not None:
+    @triton.jit
+    def _add_rms_norm_kernel(X, R, W, Y, RO, sx, sr, sy, sro, n, eps,
+                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        x = tl.load(X + row * sx + cols, mask=mask, other=0.0)
+        dt = x.dtype
+        xf = x.to(tl.float32)
+        if HAS_RES:
+            r = tl.load(R + row * sr + cols, mask=mask, other=0.0)
+            x = (xf + r.to(tl.float32)).to(dt)
+            tl.store(RO + row * sro + cols, x, mask=mask)
+            xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, 0) / n
+        y = (xf * tl.rsqrt(var + eps)).to(dt)
+        w = tl.load(W + cols, mask=mask, other=0.0)
+        tl.store(Y + row * sy + cols, (y.to(tl.float32) * w.to(tl.float32)).to(dt), mask=mask)
+
+    @triton.jit
+    def _qk_norm_rope_write_kernel(QKV, QO, KC, VC, QW, KW, START, DELTA, INV_FREQ,
+                                   s_row, sqo_row, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l,
+                                   scaling, eps, T: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+                                   D: tl.constexpr):
+        row = tl.program_id(0)               # b * T + t
+        h = tl.program_id(1)                 # q heads, then k heads, then v heads
+        b = row // T
+        t = row % T
+        half: tl.constexpr = D // 2
+        pos = tl.load(START + b) + t         # cache index of this token
+        d = tl.arange(0, D)
+        partner = (d + half) % D
+        base = QKV + row * s_row + h * D
+        x = tl.load(base + d)
+        dt = x.dtype
+        if h < HQ + HKV:
+            xf = x.to(tl.float32)
+            xp = tl.load(base + partner).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
+            is_q = (d * 0 + h) < HQ
+            w = tl.where(is_q, tl.load(QW + d), tl.load(KW + d)).to(tl.float32)
+            wp = tl.where(is_q, tl.load(QW + partner), tl.load(KW + partner)).to(tl.float32)
+            y = ((xf * rstd).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+            yp = ((xp * rstd).to(dt).to(tl.float32) * wp).to(dt).to(tl.float32)
+            rot = tl.where(d < half, -yp, yp)
+            freq = (pos + tl.load(DELTA + b)).to(tl.float32) * tl.load(INV_FREQ + d % half).to(tl.float32)
+            cos = (tl.cos(freq) * scaling).to(dt).to(tl.float32)
+            sin = (tl.sin(freq) * scaling).to(dt).to(tl.float32)
+            out = ((y * cos).to(dt).to(tl.float32) + (rot * sin).to(dt).to(tl.float32)).to(dt)
+            if h < HQ:
+                tl.store(QO + row * sqo_row + h * D + d, out)
+            else:
+                tl.store(KC + b * sk_b + (h - HQ) * sk_h + pos * sk_l + d, out.to(KC.dtype.element_ty))
+        else:
+            tl.store(VC + b * sv_b + (h - HQ - HKV) * sv_h + pos * sv_l + d, x.to(VC.dtype.element_ty))
+
+    @triton.jit
+    def _silu_mul_kernel(GU, Y, s_row, sy_row, n, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n
+        g = tl.load(GU + row * s_row + cols, mask=mask, other=0.0)
+        u = tl.load(GU + row * s_row + n + cols, mask=mask, other=0.0)
+        gf = g.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        tl.store(Y + row * sy_row + cols, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (h, norm(h) * weight) with h = x + residual (or x). x, residual (..., N)."""
+    x2 = _rows(x)
+    n = x2.shape[1]
+    y = torch.empty_like(x2)
+    res_out = torch.empty_like(x2) if residual is not None else x2
+    r2 = _rows(residual) if residual is not None else x2
+    _add_rms_norm_kernel[(x2.shape[0],)](
+        x2, r2, weight, y, res_out, x2.stride(0), r2.stride(0), y.stride(0), res_out.stride(0), n, eps,
+        HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 4096 else 4)
+    return res_out.view(x.shape), y.view(x.shape)
+
+
+def qk_norm_rope_write(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_norm_weight: torch.Tensor,
+                       k_norm_weight: torch.Tensor, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       start: torch.Tensor, rope_delta: torch.Tensor, inv_freq: torch.Tensor,
+                       scaling: float) -> torch.Tensor:
+    """qkv (B, T, (Hq + 2 Hkv) D) -> q (B, T, Hq, D) normed and rotated; k (normed, rotated) and v
+    written into k_cache/v_cache (>= B, Hkv, L, D) at positions start[b] + t, rotary position
+    start[b] + t + rope_delta[b]."""
+    b, t, width = qkv.shape
+    d = width // (q_heads + 2 * kv_heads)
+    q = torch.empty(b, t, q_heads, d, dtype=qkv.dtype, device=qkv.device)
+    rows = qkv.reshape(b * t, width)
+    _qk_norm_rope_write_kernel[(b * t, q_heads + 2 * kv_heads)](
+        rows, q, k_cache, v_cache, q_norm_weight, k_norm_weight, start, rope_delta, inv_freq,
+        rows.stride(0), q_heads * d, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scaling, eps,
+        T=t, HQ=q_heads, HKV=kv_heads, D=d, num_warps=1)
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up (..., 2 I) = cat(gate, up) -> silu(gate) * up (..., I)."""
+    x2 = _rows(gate_up)
+    n = x2.shape[1] // 2
+    y = torch.empty(x2.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, y, x2.stride(0), y.stride(0), n, BLOCK=block,
+                                                           num_warps=4)
+    return y.view(*gate_up.shape[:-1], n)

@@ -1,0 +1,111 @@
+"""The GPU step of a stack of Qwen3-style layers over a static KV cache: the target decoder
+(decode and verify), the DFlash2 draft head and the action expert all run through `FusedStack`.
+
+Per layer, 9 launches: [residual add + RMSNorm] -> q/k/v GEMM -> [q/k norm + rotary, K/V into
+the cache] -> attention over live keys (2 kernels) -> o GEMM -> [residual add + RMSNorm] ->
+gate/up GEMM -> [silu * mul] -> down GEMM. The residual add of a layer's MLP output is folded
+into the next layer's input norm. The reference (unfused, CPU) math of each user stays in its
+own module; `tests/test_fused_layers.py` checks this path against it with Triton's interpreter.
+
+Shapes: B rows, T new tokens per row, H hidden, Hq/Hkv heads, D head dim, L cache capacity.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker.model.attention import cache_attention
+from worker.model.fp8 import Fp8Linear
+from worker.model.fused_ops import add_rms_norm, qk_norm_rope_write, silu_mul
+
+
+def norm_eps(norm: nn.Module) -> float:
+    eps = getattr(norm, "variance_epsilon", None)
+    if eps is None:
+        eps = getattr(norm, "eps", None)
+    return 1e-6 if eps is None else float(eps)
+
+
+def fuse_projections(mods: list[nn.Module]) -> nn.Module | None:
+    """One projection whose output is the concatenation of `mods`' outputs; the original
+    modules' weights become views into it (no extra memory). None if they cannot be fused."""
+    if all(type(m) is nn.Linear and m.bias is None for m in mods):
+        w = torch.cat([m.weight.data for m in mods])
+        fused = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+        fused.weight = nn.Parameter(w, requires_grad=False)
+        off = 0
+        for m in mods:
+            n = m.weight.shape[0]
+            m.weight = nn.Parameter(w[off:off + n], requires_grad=False)
+            off += n
+        return fused
+    if all(isinstance(m, Fp8Linear) and m.bias is None for m in mods):
+        fused = Fp8Linear.from_parts(torch.cat([m.weight for m in mods]), torch.cat([m.weight_scale for m in mods]),
+                                     mods[0].compute_dtype)
+        off = 0
+        for m in mods:
+            n = m.weight.shape[0]
+            m.weight, m.weight_scale = fused.weight[off:off + n], fused.weight_scale[off:off + n]
+            off += n
+        return fused
+    return None
+
+
+class FusedStack:
+    """Layers with `.self_attn.{q,k,v,o}_proj`, `.self_attn.{q,k}_norm`, `.input_layernorm`,
+    `.post_attention_layernorm`, `.mlp.{gate,up,down}_proj` (transformers' Qwen3 layout)."""
+
+    def __init__(self, layers, head_dim: int):
+        self.layers = list(layers)
+        self.head_dim = head_dim
+        self.fuse()
+
+    def fuse(self) -> None:
+        """Fuse q/k/v and gate/up per layer. Call again after swapping weights (fp8 quantisation)."""
+        self.parts = []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv = fuse_projections([a.q_proj, a.k_proj, a.v_proj])
+            gate_up = fuse_projections([m.gate_proj, m.up_proj])
+            heads = (a.q_proj.out_features // self.head_dim, a.k_proj.out_features // self.head_dim)
+            self.parts.append((qkv, gate_up, heads))
+
+    def run(self, h: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]], start: torch.Tensor,
+            rope_delta: torch.Tensor, inv_freq: torch.Tensor, rope_scaling: float, causal: bool,
+            capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """h (B, T, H) -> (B, T, H) after every layer, and {layer id: its output} for `capture`.
+
+        caches[l] = (K, V) of layer l, each (>= B, Hkv, L, D). The T tokens' K/V are written at
+        cache positions start[b] + t (rotary position + rope_delta[b]); each row attends keys
+        [0, start[b] + T) (causal: token t stops at start[b] + t).
+        """
+        b, t, _ = h.shape
+        kv_len = start + t
+        hidden: dict[int, torch.Tensor] = {}
+        pending = None                       # the previous layer's MLP output, not yet added
+        for i, layer in enumerate(self.layers):
+            a, mlp = layer.self_attn, layer.mlp
+            fused_qkv, fused_gate_up, (hq, hkv) = self.parts[i]
+            ln = layer.input_layernorm
+            h, x = add_rms_norm(pending if pending is not None else h, ln.weight, norm_eps(ln),
+                                residual=h if pending is not None else None)
+            qkv = fused_qkv(x) if fused_qkv is not None else torch.cat([a.q_proj(x), a.k_proj(x), a.v_proj(x)], -1)
+            k_cache, v_cache = caches[i]
+            q = qk_norm_rope_write(qkv, hq, hkv, a.q_norm.weight, a.k_norm.weight, norm_eps(a.q_norm),
+                                   k_cache, v_cache, start, rope_delta, inv_freq, rope_scaling)
+            o = cache_attention(q, k_cache, v_cache, kv_len, causal)
+            ln = layer.post_attention_layernorm
+            h, x = add_rms_norm(a.o_proj(o.view(b, t, -1)), ln.weight, norm_eps(ln), residual=h)
+            gu = fused_gate_up(x) if fused_gate_up is not None else torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1)
+            pending = mlp.down_proj(silu_mul(gu))
+            if i in capture:
+                h, pending = h + pending, None
+                hidden[i] = h
+        if pending is not None:
+            h = h + pending
+        return h, hidden
+
+    @staticmethod
+    def final_norm(h: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        return add_rms_norm(h, norm.weight, norm_eps(norm))[1]
