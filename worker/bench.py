@@ -408,11 +408,11 @@ def profile_steps(rt, context: int, out_dir: str | None, new: int = 64) -> None:
             fn()
             fn()
             _sync()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with profile(activities=[ProfilerActivity.CUDA if dev.type == "cuda" else ProfilerActivity.CPU]) as prof:
                 for _ in range(3):
                     fn()
                 _sync()
-            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70)
+            table = prof.key_averages().table(sort_by="cuda_time_total" if dev.type == "cuda" else "cpu_time_total", row_limit=18, max_name_column_width=70)
             print(f"\n## profile: {name} (3 replays)\n{table}", flush=True)
             if out_dir:
                 with open(Path(out_dir) / "profile.txt", "a") as f:

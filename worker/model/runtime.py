@@ -267,14 +267,28 @@ class AlpamayoRuntime:
                 limit = min(limit, self.max_model_len - plen)
             ok.append(p)
             max_new.append(limit)
-        if ok:
+        # the persistent cache holds max_rows rows (the memory plan): larger batches run in chunks
+        per = max(1, self.max_rows // k) if self.max_rows else max(1, len(ok))
+        for i in range(0, len(ok), per):
+            chunk = ok[i:i + per]
             try:
-                self._generate(task, k, ok, max_new, results)
+                self._generate(task, k, chunk, max_new[i:i + per], results)
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
-                for p in ok:
+                for p in chunk:
                     results[p.req.request_id].error = ("inference_failed", "out of GPU memory for this batch")
         return [results[r.request_id] for r in batch]
+
+    def kv_bytes_per_column(self) -> int:
+        """Bytes of one cache column of one row: every target layer's K and V, plus the DFlash2
+        draft's context K/V on speculative profiles (the memory plan's unit)."""
+        d = self.decoder
+        size = torch.finfo(self.dtype).bits // 8
+        n = 2 * d.num_layers * d.kv_heads * d.head_dim * size
+        if self.speculator is not None:
+            c = self.speculator.config
+            n += 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * size
+        return n
 
     def _generate(self, task: str, k: int, ok: list[_Prepared], max_new: list[int],
                   results: dict[str, SceneResult]) -> None:
