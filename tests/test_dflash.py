@@ -6,12 +6,15 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from worker.demo.layout import write_random_checkpoint
 from worker.dflash.draft import write_random_head
 from worker.dflash.head import HeadError, check_head
 from worker.dflash.loop import DFlash2Speculator
+from worker.dflash.metrics import speculative_block
 from worker.dflash.oracle import OracleProposer, error_rate_for_tau
+from worker.model.config import AlpamayoConfig
 from worker.model.runtime import AlpamayoRuntime
 
 from tests.test_model_runtime import ExpertInputs, assert_same_expert_inputs, scene
@@ -96,7 +99,6 @@ def test_error_rate_for_tau():
 
 @pytest.fixture
 def base_cfg(ckpt):
-    from worker.model.config import AlpamayoConfig
     return AlpamayoConfig.from_dir(ckpt)
 
 
@@ -188,7 +190,6 @@ def test_head_shape_mismatch(head, base_cfg, tmp_path):
 
 
 def test_head_missing_selector(head, base_cfg, tmp_path):
-    from safetensors.torch import load_file, save_file
     d = copy_head(head, tmp_path)
     state = load_file(str(d / "model.safetensors"))
     state = {k: v for k, v in state.items() if not k.startswith("selector.")}
@@ -247,8 +248,6 @@ def test_sampled_distribution_matches_baseline(runtimes):
 
 
 def test_speculative_block_arithmetic(runtimes):
-    from worker.dflash.metrics import speculative_block
-
     _, spec = runtimes
     res = spec.run([scene(4, k=3, temperature=0.8, seed=9)])[0]
     s = res.speculative

@@ -1,14 +1,13 @@
-"""The DFlash2 decoding loop over the shared DecodeBatch (worker/model/generate.py).
-
-Each step, for every row at once:
-  1. draft:  block = [next_token, MASK x 7] -> Proposer -> 7 proposals d1..d7
-  2. verify: one target forward over [next_token, d1..d7] at positions p..p+7 (K/V written)
-  3. sample the target at positions p+1..p+8 with the baseline's position-keyed noise
-     (worker/model/sampling.py) and accept the longest prefix where d_i equals the target's
-     token; the target's token at the first mismatch (or after d7) is the bonus token
-  4. commit (truncated at a terminal token or max_new exactly as the baseline would stop),
-     roll back by setting each row's length (ragged across the batch), append the committed
-     positions' target hidden states to the draft context.
+"""The DFlash2 speculator: propose -> verify -> accept -> commit over the shared DecodeBatch
+(worker/model/generate.py), one step for every row at once:
+  1. propose: block = [next_token, MASK x 7] -> Proposer (worker/dflash/proposer.py) -> 7 drafts d1..d7
+  2. verify:  one target forward over [next_token, d1..d7] at positions p..p+7 (K/V written), and
+     the target's tokens at positions p+1..p+8 with the baseline's position-keyed noise
+     (worker/model/sampling.py); the committed positions' hidden states join the draft context
+  3. accept:  the longest prefix of drafts equal to the target's tokens, plus the bonus token,
+     truncated at a terminal token or max_new exactly as the baseline would stop (worker/dflash/accept.py)
+  4. commit:  DecodeBatch.commit, the baseline's own commit: record the tokens and roll back by
+     setting each row's length (ragged across the batch)
 Greedy rows take argmax at each position, so acceptance is exact match; sampled rows accept
 the proposal exactly when the target's own sample equals it. Either way every committed token is
 the token the baseline would have produced at that position.
@@ -16,27 +15,21 @@ the token the baseline would have produced at that position.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from worker.dflash.accept import accepted_prefix, commit_counts
 from worker.dflash.draft import DraftModel
 from worker.dflash.head import HeadConfig, check_head
+from worker.dflash.metrics import RowStats, SpecStats, row_stats
 from worker.dflash.proposer import Proposer
 from worker.model.decoder import TextDecoder
 from worker.model.generate import DecodeBatch
-from worker.model.runtime import SpecStats
 from worker.model.sampling import sample
 
 
-@dataclass
-class RowStats:
-    accepted: list[int]
-    drafted: list[int]
-
-
 class DFlash2Speculator:
-    """Plugged into AlpamayoRuntime: trajectory requests decode through `decode`."""
+    """The Speculator (worker/model/generate.py) of AlpamayoRuntime: trajectory requests decode
+    through `decode`."""
 
     def __init__(self, draft: DraftModel, base_model, head_path: str | None = None):
         self.draft = draft
@@ -69,62 +62,25 @@ class DFlash2Speculator:
                                     torch.tensor([rope_delta], device=dev), fork=rows)
 
     def merge_stats(self, rows: list[RowStats]) -> SpecStats:
-        """K samples of one request: steps concatenated in sample order."""
-        acc = [a for r in rows for a in r.accepted]
-        dr = [d for r in rows for d in r.drafted]
-        return SpecStats(self.num_spec_tokens, acc, dr)
+        return SpecStats.merge(self.num_spec_tokens, rows)
 
     # ---------------------------------------------------------------- the loop
     @torch.inference_mode()
     def decode(self, decoder: TextDecoder, batch: DecodeBatch) -> tuple[DecodeBatch, list[RowStats]]:
         n_spec = self.num_spec_tokens
-        dev = batch.lengths.device
-        ar = torch.arange(n_spec + 1, device=dev)
-        fresh_log, acc_log = [], []
+        offsets = torch.arange(1, n_spec + 2, device=batch.lengths.device)     # sampled positions after lengths
+        generating_log, accepted_log = [], []
         while not bool(batch.done.all()):
-            active = ~batch.done
-            fresh = active & ~batch.finishing
-            proposals = self.proposer.propose(batch)
+            generating = batch.generating
+            proposals = self.proposer.propose(batch)                                        # (B, 7)
             block = torch.cat([batch.next_token[:, None], proposals], dim=1)               # (B, 8)
             out = decoder.step(block, batch.lengths, batch.rope_delta, batch.cache,
                                context_len=int(batch.lengths.max()) + n_spec + 1, capture=self.target_layer_ids)
-            batch.steps += 1
             self.proposer.write_context(out.hidden, batch.lengths, batch.rope_delta)
-            tokens = sample(batch.mask_logits(out.logits), batch.params, batch.lengths[:, None] + 1 + ar)  # (B, 8)
-            n = (proposals == tokens[:, :n_spec]).long().cumprod(1).sum(1)               # accepted drafts
-            commit = torch.where(ar < n[:, None], torch.cat([proposals, proposals[:, -1:]], 1), tokens)
-            is_term = torch.isin(commit, batch.terminal) & (ar <= n[:, None])
-            m_term = torch.where(is_term.any(1), is_term.long().argmax(1) + 1, n_spec + 1)
-            m = torch.minimum(torch.minimum(n + 1, m_term), batch.max_new - batch.n_generated)
-            m = torch.where(fresh, m.clamp(min=1), torch.zeros_like(m))
-            # record committed tokens
-            for i in range(n_spec + 1):
-                take = fresh & (i < m)
-                idx = (batch.n_generated + i).clamp(max=batch.generated.shape[1] - 1)[:, None]
-                cur = batch.generated.gather(1, idx)[:, 0]
-                batch.generated.scatter_(1, idx, torch.where(take, commit[:, i], cur)[:, None])
-            batch.n_generated += m
-            # lengths, next token, finishing/done
-            flushed = active & batch.finishing                  # fed their last token this step
-            in_cache = fresh & (m <= n)                         # ended on an accepted draft (in cache)
-            bonus = fresh & ~in_cache
-            batch.lengths += torch.where(flushed, 1, 0) + torch.where(in_cache, 1 + m, 0) \
-                + torch.where(bonus, 1 + n, 0)
-            batch.done |= flushed | in_cache
-            last = commit.gather(1, (m - 1).clamp(min=0)[:, None])[:, 0]
-            batch.next_token = torch.where(bonus, last, batch.next_token)
-            ends = bonus & (torch.isin(last, batch.terminal) | (batch.n_generated >= batch.max_new))
-            batch.finishing |= ends
-            fresh_log.append(fresh)
-            acc_log.append(torch.minimum(n, m))
-        if not fresh_log:
-            return batch, [RowStats([], []) for _ in range(batch.rows)]
-        fresh_all = torch.stack(fresh_log).cpu()        # (steps, B)
-        acc_all = torch.stack(acc_log).cpu()
-        stats = []
-        for r in range(batch.rows):
-            sel = fresh_all[:, r]
-            accepted = acc_all[sel, r].tolist()
-            stats.append(RowStats(accepted, [n_spec] * len(accepted)))
-        return batch, stats
-
+            tokens = sample(batch.mask_logits(out.logits), batch.params, batch.lengths[:, None] + offsets)  # (B, 8)
+            n = accepted_prefix(proposals, tokens)
+            m = commit_counts(tokens, n, batch.terminal, batch.max_new - batch.n_generated)
+            batch.commit(tokens, m, n)
+            generating_log.append(generating)
+            accepted_log.append(torch.minimum(n, m))
+        return batch, row_stats(generating_log, accepted_log, batch.rows, n_spec)

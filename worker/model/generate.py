@@ -1,5 +1,6 @@
-"""Batched reasoning decode over the static cache: the state every decoding loop shares, and the
-baseline loop (one token per step). DFlash2's loop (worker/dflash/loop.py) runs on the same state.
+"""Batched reasoning decode over the static cache: the state every decoding loop shares with its
+one commit step, the interface of a speculative decoder, and the baseline loop (one token per
+step). DFlash2 (worker/dflash/loop.py) implements Speculator on the same state.
 
 Row bookkeeping (R rows = scenes x samples):
   lengths[r]     tokens of row r whose K/V are in the cache (prompt + fed generated tokens)
@@ -8,15 +9,19 @@ Row bookkeeping (R rows = scenes x samples):
 A row *finishes* when it samples a terminal token or reaches its max_new; its last token is
 then still fed once so that its K/V is in the cache (the expert attends up to and including
 `<|traj_future_start|>`), after which the row is done and frozen.
+Every loop step is: one forward over each row's next_token (plus drafts, when speculating), the
+target's tokens at the positions after it, then DecodeBatch.commit.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from worker.model.decoder import StaticKVCache, TextDecoder
+from worker.model.graphs import GraphCache
 from worker.model.sampling import SamplingParams, sample
 
 
@@ -34,25 +39,78 @@ class DecodeBatch:
     n_generated: torch.Tensor    # (R,) long
     finishing: torch.Tensor      # (R,) bool: last token sampled, K/V not yet written
     done: torch.Tensor           # (R,) bool
-    steps: int = 0               # forward passes run by the loop
-    per_row_steps: torch.Tensor = field(default=None)  # (R,) verify/decode steps while active
+    steps: int = 0               # forward passes run by the loop (one commit each)
 
     @property
     def rows(self) -> int:
         return self.lengths.shape[0]
 
+    @property
+    def generating(self) -> torch.Tensor:
+        """(R,) bool: rows still sampling new tokens (neither finishing nor done)."""
+        return ~self.done & ~self.finishing
+
     def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.masked_fill(self.banned, float("-inf"))
 
-    def append(self, rows_mask: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Record `tokens` (R,) as the next generated token of rows in rows_mask; mark finishing."""
-        idx = self.n_generated.clamp(max=self.generated.shape[1] - 1)
-        cur = self.generated.gather(1, idx[:, None])[:, 0]
-        self.generated.scatter_(1, idx[:, None], torch.where(rows_mask, tokens, cur)[:, None])
-        self.n_generated += rows_mask.long()
-        self.next_token = torch.where(rows_mask, tokens, self.next_token)
-        ends = rows_mask & (torch.isin(tokens, self.terminal) | (self.n_generated >= self.max_new))
-        self.finishing |= ends
+    def commit(self, tokens: torch.Tensor, m: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Advance every row after one forward that fed its next_token at position lengths (and,
+        when speculating, drafts after it).
+
+        tokens (R, T) long: the target's tokens at positions lengths+1 .. lengths+T
+        m (R,) long: a generating row r commits tokens[r, :m[r]] (m >= 1; the baseline's m is 1);
+            finishing and done rows commit nothing whatever m says
+        accepted (R,) long: how many of those tokens were fed in this forward as accepted drafts,
+            their K/V written (0 for the baseline)
+        A finishing row had its last token fed: done. A generating row's cache grows by its fed
+        next_token and its committed accepted drafts; if it committed no more than those, its
+        last token is already in the cache and it is done; otherwise the last committed token
+        (the bonus token) is its next_token, finishing if terminal or at max_new."""
+        self.steps += 1
+        active = ~self.done
+        flushed = active & self.finishing
+        generating = active & ~self.finishing
+        m = torch.where(generating, m, 0)
+        self._record(tokens, m)
+        in_cache = generating & (m <= accepted)
+        bonus = generating & ~in_cache
+        self.lengths += torch.where(active, 1 + torch.minimum(m, accepted), 0)
+        self.done |= flushed | in_cache
+        self._feed_next(bonus, tokens.gather(1, (m - 1).clamp(min=0)[:, None])[:, 0])
+
+    def _record(self, tokens: torch.Tensor, m: torch.Tensor) -> None:
+        """Write tokens (R, T)[r, :m[r]] after row r's generated tokens."""
+        last = self.generated.shape[1] - 1
+        for i in range(tokens.shape[1]):
+            idx = (self.n_generated + i).clamp(max=last)[:, None]
+            cur = self.generated.gather(1, idx)[:, 0]
+            self.generated.scatter_(1, idx, torch.where(i < m, tokens[:, i], cur)[:, None])
+        self.n_generated += m
+
+    def _feed_next(self, rows: torch.Tensor, token: torch.Tensor) -> None:
+        """token (R,) becomes next_token of `rows` (R,) bool; a terminal token or max_new finishes the row."""
+        self.next_token = torch.where(rows, token, self.next_token)
+        self.finishing |= rows & (torch.isin(token, self.terminal) | (self.n_generated >= self.max_new))
+
+
+class Speculator(Protocol):
+    """What the model runtime (worker/model/runtime.py) needs of a speculative decoder; DFlash2's
+    is worker/dflash/loop.py."""
+
+    block_size: int                         # tokens fed per verify step: the cache headroom it needs
+    target_layer_ids: tuple[int, ...]       # target layers whose hidden states the prefill captures
+
+    def begin(self, rows: int, capacity: int, persistent: bool = False, graphs: GraphCache | None = None) -> None:
+        """Size the speculator's own caches for a batch of `rows` x `capacity` positions."""
+
+    def load_context(self, rows: slice, hidden: dict[int, torch.Tensor], rope_delta: int) -> None:
+        """One scene's prefill hidden states {layer: (1, P, H)} become the context of `rows`."""
+
+    def decode(self, decoder: TextDecoder, batch: DecodeBatch) -> tuple[DecodeBatch, list[Any]]:
+        """Decode every row to done; -> (batch, one per-row stats object per row)."""
+
+    def merge_stats(self, rows: list[Any]) -> Any:
+        """The per-row stats of one request's K samples -> its per-request stats (SceneResult.speculative)."""
 
 
 def start_batch(cache: StaticKVCache, prompt_lengths: torch.Tensor, first_logits: torch.Tensor,
@@ -72,9 +130,9 @@ def start_batch(cache: StaticKVCache, prompt_lengths: torch.Tensor, first_logits
         n_generated=torch.zeros(r, dtype=torch.long, device=dev),
         finishing=torch.zeros(r, dtype=torch.bool, device=dev),
         done=torch.zeros(r, dtype=torch.bool, device=dev),
-        per_row_steps=torch.zeros(r, dtype=torch.long, device=dev),
     )
-    batch.append(torch.ones(r, dtype=torch.bool, device=dev), first)
+    batch._record(first[:, None], torch.ones_like(first))
+    batch._feed_next(torch.ones(r, dtype=torch.bool, device=dev), first)
     if real_rows is not None and real_rows < r:
         batch.done[real_rows:] = True
     return batch
@@ -84,16 +142,8 @@ def start_batch(cache: StaticKVCache, prompt_lengths: torch.Tensor, first_logits
 def baseline_decode(decoder: TextDecoder, batch: DecodeBatch) -> DecodeBatch:
     """One token per step until every row is done."""
     while not bool(batch.done.all()):
-        active = ~batch.done
         out = decoder.step(batch.next_token[:, None], batch.lengths, batch.rope_delta, batch.cache,
                            context_len=int(batch.lengths.max()) + 1)
-        batch.steps += 1
-        batch.per_row_steps += active.long()
-        batch.lengths += active.long()
-        newly_done = active & batch.finishing
-        batch.done |= newly_done
-        grow = active & ~newly_done
-        logits = batch.mask_logits(out.logits[:, 0])
-        tokens = sample(logits[:, None], batch.params, batch.lengths[:, None])[:, 0]
-        batch.append(grow, tokens)
+        tokens = sample(batch.mask_logits(out.logits), batch.params, batch.lengths[:, None] + 1)   # (R, 1)
+        batch.commit(tokens, torch.ones_like(batch.lengths), torch.zeros_like(batch.lengths))
     return batch

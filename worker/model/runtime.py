@@ -1,5 +1,5 @@
-"""The engine the worker drives: a batch of validated scenes (one task, one K) in, per-scene
-results with per-stage timings out.
+"""The model runtime the engine (worker/engine.py) drives: a batch of validated scenes (one task,
+one K) in, per-scene results with per-stage timings out.
 
 Per batch: image prep and prefill run per scene (the vision tower and the prompt's K/V are
 computed once per scene through transformers' Qwen3-VL); the prompt cache is forked K ways into
@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -24,7 +24,8 @@ from worker.model.checkpoint import load_model
 from worker.model.config import AlpamayoConfig, TokenIds
 from worker.model.decoder import TextDecoder
 from worker.model.expert import ActionExpert
-from worker.model.generate import baseline_decode, start_batch
+from worker.model.fp8 import quantize_model_fp8
+from worker.model.generate import Speculator, baseline_decode, start_batch
 from worker.model.graphs import GraphCache, bucket
 from worker.model.inputs import TASKS_WITH_HISTORY, ImageProcessing, PromptBuilder, PromptSpec, mrope_positions
 from worker.model.sampling import SamplingParams, sample_key
@@ -60,27 +61,6 @@ class SceneRequest:
 
 
 @dataclass
-class SpecStats:
-    """Speculative-decoding counters of one request (all its samples summed)."""
-
-    num_spec_tokens: int
-    per_step_accepted: list[int]
-    per_step_drafted: list[int]
-
-    @property
-    def steps(self) -> int:
-        return len(self.per_step_accepted)
-
-    @property
-    def drafted(self) -> int:
-        return sum(self.per_step_drafted)
-
-    @property
-    def accepted(self) -> int:
-        return sum(self.per_step_accepted)
-
-
-@dataclass
 class SceneResult:
     request_id: str
     task: str
@@ -91,7 +71,7 @@ class SceneResult:
     trajectories: np.ndarray | None = None      # (K, 64, 3) float32
     rotations: np.ndarray | None = None         # (K, 64, 3, 3) float32
     timings_ms: dict[str, float] = field(default_factory=dict)
-    speculative: SpecStats | None = None
+    speculative: Any = None                     # the speculator's merge_stats (worker/dflash/metrics.SpecStats)
     warnings: list[str] = field(default_factory=list)
     error: tuple[str, str] | None = None        # (error code, message) when this scene failed
 
@@ -136,7 +116,8 @@ class _Prepared:
 
 class AlpamayoRuntime:
     def __init__(self, model, cfg: AlpamayoConfig, tokenizer, token_ids: TokenIds, image_proc: ImageProcessing,
-                 device: torch.device, dtype: torch.dtype, speculator=None, max_model_len: int | None = None):
+                 device: torch.device, dtype: torch.dtype, speculator: Speculator | None = None,
+                 max_model_len: int | None = None):
         self.model = model
         self.cfg = cfg
         self.tok = tokenizer
@@ -169,7 +150,9 @@ class AlpamayoRuntime:
     # ------------------------------------------------------------------ construction
     @classmethod
     def load(cls, checkpoint: str | Path, device: str | torch.device | None = None, precision: str = "bf16",
-             dtype: torch.dtype | None = None, speculator_factory=None, max_model_len: int | None = None):
+             dtype: torch.dtype | None = None,
+             speculator_factory: Callable[[Any, AlpamayoConfig, torch.device, torch.dtype], Speculator] | None = None,
+             max_model_len: int | None = None):
         """Load a checkpoint directory. precision bf16|fp8; dtype overrides the compute dtype
         (fp32 for exactness tests; CPU defaults to fp32)."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -177,7 +160,6 @@ class AlpamayoRuntime:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model, cfg = load_model(checkpoint, device=device, dtype=dtype)
         if precision == "fp8":
-            from worker.model.fp8 import quantize_model_fp8
             quantize_model_fp8(model)
         tok, ids = load_tokenizer(checkpoint, cfg)
         image_proc = ImageProcessing.from_dir(Path(checkpoint), cfg.min_pixels, cfg.max_pixels)
