@@ -25,15 +25,16 @@ from worker.model.attention import attend_reference, cache_attention  # noqa: E4
 from worker.model.decoder import apply_rope, rms_norm, rope_cos_sin  # noqa: E402
 from worker.model.fused_ops import add_rms_norm, qk_norm_rope_write, reference_only, silu_mul  # noqa: E402
 
-# (rows, T, Hq, Hkv, D, capacity) per use; capacity includes free columns after the live keys
+# (rows, T, Hq, Hkv, D, capacity) per use; capacity includes free columns after the live keys.
+# Launches of >= 124 programs (rows x Hkv) write their output directly, smaller ones split the keys.
 SHAPES = {
     "32b": {"decode": [(1, 1, 64, 8, 128, 8192), (4, 1, 64, 8, 128, 8192), (32, 1, 64, 8, 128, 4608)],
             "verify": [(1, 8, 64, 8, 128, 8192), (4, 8, 64, 8, 128, 8192), (32, 8, 64, 8, 128, 4608)],
             "draft": [(1, 8, 64, 8, 128, 8192), (32, 8, 64, 8, 128, 4608)],
             "expert": [(1, 64, 16, 8, 128, 8192), (8, 64, 16, 8, 128, 4608)],
             "hidden": 5120, "intermediate": 25600},
-    "tiny": {"decode": [(1, 1, 4, 2, 16, 96), (3, 1, 4, 2, 16, 80)],
-             "verify": [(2, 8, 4, 2, 16, 96)],
+    "tiny": {"decode": [(1, 1, 4, 2, 16, 96), (3, 1, 4, 2, 16, 80), (64, 1, 4, 2, 16, 48)],
+             "verify": [(2, 8, 4, 2, 16, 96), (64, 8, 4, 2, 16, 48)],
              "draft": [(2, 8, 4, 2, 16, 64)],
              "expert": [(2, 24, 4, 2, 16, 80)],
              "hidden": 64, "intermediate": 160},

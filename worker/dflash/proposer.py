@@ -86,7 +86,10 @@ class Proposer:
             ctx = [(k[:b, :, :s], v[:b, :, :s]) for k, v in zip(self.k, self.v)]
             visible = torch.arange(s, device=dev)[None, :] < lengths[:, None]
             h = self.draft.block_hidden(emb, positions, ctx, visible)      # (B, n, H)
-        logits = self.lm_head(h[:, 1:]).float().masked_fill(banned, float("-inf"))
+        # one (B * 7, H) matrix: a strided 3-D slice would run as B batched products, each
+        # reading the whole LM head
+        hb = h[:, 1:].reshape(b * (n - 1), -1)
+        logits = self.lm_head(hb).float().view(b, n - 1, -1).masked_fill(banned, float("-inf"))
         cand_logits, cand = logits.topk(self.num_candidates, dim=-1)      # (B, n-1, C)
         cand_emb = self.embed(cand).to(h.dtype)                            # (B, n-1, C, H)
         out = torch.empty(b, n - 1, dtype=torch.long, device=dev)

@@ -10,7 +10,8 @@ In each, the new tokens' K/V are first written into the cache at positions
 On CUDA this is a split-K ("flash-decoding") Triton kernel: grid (rows x KV heads, key splits,
 query tiles); each program loads the G*T queries of one KV head (grouped-query heads share their
 K/V, read once), streams its split of live keys with an online softmax, and writes a partial
-output and log-sum-exp; a second kernel merges the splits. Splits past a row's live length do no
+output and log-sum-exp; a second kernel merges the splits. Launches with about one program per
+multiprocessor or more (rows x KV heads) do not split and write the output directly. Splits past a row's live length do no
 work, so a CUDA graph captured at the cache capacity still reads only live keys. The split count
 depends on rows, KV heads and capacity only (never on T), so verify(8) and decode(1) sum a
 position's keys in the same order.
@@ -71,12 +72,13 @@ def attend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 if triton is not None:
     @triton.jit
-    def _split_kernel(Q, K, V, KVLEN, OPART, LPART,
+    def _split_kernel(Q, K, V, KVLEN, OPART, LPART, OUT,
                       sq_b, sq_t, sq_h, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l,
-                      so_b, so_h, so_t, so_s, sl_b, sl_h, sl_t,
+                      so_b, so_h, so_t, so_s, sl_b, sl_h, sl_t, sout_b, sout_t, sout_h,
                       qk_scale,
                       T: tl.constexpr, G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                      SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+                      SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                      DIRECT: tl.constexpr):
         pid_bh = tl.program_id(0)
         pid_s = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -121,42 +123,50 @@ if triton is not None:
 
         has = l_i > 0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        live = m_valid & ((offs_m * 0 + start) < kv_len)
-        tl.store(OPART + b * so_b + hq[:, None] * so_h + t[:, None] * so_t + pid_s * so_s + offs_d[None, :],
-                 out, mask=live[:, None] & (offs_d[None, :] < D))
-        tl.store(LPART + b * sl_b + hq * sl_h + t * sl_t + pid_s, lse, mask=live)
+        if DIRECT:                           # one split: the final output, no merge
+            tl.store(OUT + b * sout_b + t[:, None] * sout_t + hq[:, None] * sout_h + offs_d[None, :],
+                     out.to(OUT.dtype.element_ty), mask=m_valid[:, None] & (offs_d[None, :] < D))
+        else:
+            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            live = m_valid & ((offs_m * 0 + start) < kv_len)
+            tl.store(OPART + b * so_b + hq[:, None] * so_h + t[:, None] * so_t + pid_s * so_s + offs_d[None, :],
+                     out, mask=live[:, None] & (offs_d[None, :] < D))
+            tl.store(LPART + b * sl_b + hq * sl_h + t * sl_t + pid_s, lse, mask=live)
 
     @triton.jit
     def _merge_kernel(OPART, LPART, KVLEN, OUT,
                       so_b, so_h, so_t, so_s, sl_b, sl_h, sl_t, sout_b, sout_t, sout_h,
                       HQ: tl.constexpr, T: tl.constexpr, D: tl.constexpr, SPLIT,
                       S_MAX: tl.constexpr):
-        pid = tl.program_id(0)                   # (b, hq, t)
-        t = pid % T
-        hq = (pid // T) % HQ
-        b = pid // (T * HQ)
+        pid = tl.program_id(0)                   # (b, hq); the T queries in turn
+        hq = pid % HQ
+        b = pid // HQ
         kv_len = tl.load(KVLEN + b).to(tl.int32)
         used = (kv_len + SPLIT - 1) // SPLIT
         offs_s = tl.arange(0, S_MAX)
         s_valid = offs_s < used
-        lse = tl.load(LPART + b * sl_b + hq * sl_h + t * sl_t + offs_s, mask=s_valid, other=float("-inf"))
-        m = tl.max(lse, 0)
-        w = tl.where(s_valid, tl.exp2(lse - m), 0.0)
         offs_d = tl.arange(0, D)
-        o = tl.load(OPART + b * so_b + hq * so_h + t * so_t + offs_s[:, None] * so_s + offs_d[None, :],
-                    mask=s_valid[:, None] & (offs_d[None, :] < D), other=0.0)
-        out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-        tl.store(OUT + b * sout_b + t * sout_t + hq * sout_h + offs_d, out.to(OUT.dtype.element_ty))
+        for t in tl.static_range(T):
+            lse = tl.load(LPART + b * sl_b + hq * sl_h + t * sl_t + offs_s, mask=s_valid, other=float("-inf"))
+            m = tl.max(lse, 0)
+            w = tl.where(s_valid, tl.exp2(lse - m), 0.0)
+            o = tl.load(OPART + b * so_b + hq * so_h + t * so_t + offs_s[:, None] * so_s + offs_d[None, :],
+                        mask=s_valid[:, None] & (offs_d[None, :] < D), other=0.0)
+            out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+            tl.store(OUT + b * sout_b + t * sout_t + hq * sout_h + offs_d, out.to(OUT.dtype.element_ty))
 
 
-_TARGET_PROGRAMS = 528          # ~4 waves of an H100/H200's 132 SMs
+_SMS = 132                      # an H100/H200's multiprocessors
 _MAX_SPLITS = 64
 
 
 def split_plan(rows: int, kv_heads: int, m_tiles: int, capacity: int, block_n: int) -> tuple[int, int]:
-    """-> (split size in keys, number of splits) for a launch over `capacity` cache columns."""
-    want = max(1, -(-_TARGET_PROGRAMS // (rows * kv_heads * m_tiles)))
+    """-> (split size in keys, number of splits) for a launch over `capacity` cache columns.
+
+    About one program per multiprocessor or more without splitting: one split, no merge kernel.
+    Fewer programs than that: split the keys so that about 2 waves of programs run."""
+    programs = rows * kv_heads * m_tiles
+    want = 1 if programs >= _SMS - 8 else -(-2 * _SMS // programs)
     splits = max(1, min(want, _MAX_SPLITS, -(-capacity // block_n)))
     size = -(-(-(-capacity // splits)) // block_n) * block_n
     return size, -(-capacity // size)
@@ -183,21 +193,27 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     m_tiles = -(-rows_m // block_m)
     block_n = 64
     size, splits = split_plan(b, hkv, m_tiles, cap, block_n)
-    opart = torch.empty(b, hq, t, splits, d, dtype=torch.float32, device=q.device)
-    lpart = torch.empty(b, hq, t, splits, dtype=torch.float32, device=q.device)
     if out is None:
         out = torch.empty(b, t, hq, d, dtype=q.dtype, device=q.device)
+    direct = splits == 1
+    if direct:                                        # no partials: the kernel writes `out` itself
+        opart, lpart = out.new_empty(1, 1, 1, 1, 1, dtype=torch.float32), out.new_empty(1, 1, 1, 1, dtype=torch.float32)
+    else:
+        opart = torch.empty(b, hq, t, splits, d, dtype=torch.float32, device=q.device)
+        lpart = torch.empty(b, hq, t, splits, dtype=torch.float32, device=q.device)
     assert q.stride(3) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and out.stride(3) == 1
     qk_scale = d ** -0.5 * 1.4426950408889634        # log2(e): the kernel works in base 2
     _split_kernel[(b * hkv, splits, m_tiles)](
-        q, k_cache, v_cache, kv_len, opart, lpart,
+        q, k_cache, v_cache, kv_len, opart, lpart, out,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3),
-        lpart.stride(0), lpart.stride(1), lpart.stride(2), qk_scale,
-        T=t, G=g, HKV=hkv, D=d, SPLIT=size, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-        num_warps=8 if block_m == 128 else 4, num_stages=2)
-    _merge_kernel[(b * hq * t,)](
+        lpart.stride(0), lpart.stride(1), lpart.stride(2), out.stride(0), out.stride(1), out.stride(2), qk_scale,
+        T=t, G=g, HKV=hkv, D=d, SPLIT=size, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, DIRECT=direct,
+        num_warps=8 if block_m == 128 else 4, num_stages=3 if block_m >= 64 or direct else 2)
+    if direct:
+        return out
+    _merge_kernel[(b * hq,)](
         opart, lpart, kv_len, out,
         opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3),
         lpart.stride(0), lpart.stride(1), lpart.stride(2), out.stride(0), out.stride(1), out.stride(2),

@@ -70,38 +70,41 @@ if triton is not None:
     def _qk_norm_rope_write_kernel(QKV, QO, KC, VC, QW, KW, START, DELTA, INV_FREQ,
                                    s_row, sqo_row, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l,
                                    scaling, eps, T: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
-                                   D: tl.constexpr):
-        row = tl.program_id(0)               # b * T + t
-        h = tl.program_id(1)                 # q heads, then k heads, then v heads
+                                   D: tl.constexpr, NH: tl.constexpr):
+        row = tl.program_id(0)               # b * T + t: every head of one token in one program
         b = row // T
         t = row % T
         half: tl.constexpr = D // 2
         pos = tl.load(START + b) + t         # cache index of this token
+        h = tl.arange(0, NH)                 # q heads, then k heads, then v heads (padded to NH)
         d = tl.arange(0, D)
         partner = (d + half) % D
-        base = QKV + row * s_row + h * D
-        x = tl.load(base + d)
+        valid = (h < HQ + 2 * HKV)[:, None] & (d[None, :] < D)
+        base = QKV + row * s_row + h[:, None] * D
+        x = tl.load(base + d[None, :], mask=valid, other=0.0)
         dt = x.dtype
-        if h < HQ + HKV:
-            xf = x.to(tl.float32)
-            xp = tl.load(base + partner).to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
-            is_q = (d * 0 + h) < HQ
-            w = tl.where(is_q, tl.load(QW + d), tl.load(KW + d)).to(tl.float32)
-            wp = tl.where(is_q, tl.load(QW + partner), tl.load(KW + partner)).to(tl.float32)
-            y = ((xf * rstd).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
-            yp = ((xp * rstd).to(dt).to(tl.float32) * wp).to(dt).to(tl.float32)
-            rot = tl.where(d < half, -yp, yp)
-            freq = (pos + tl.load(DELTA + b)).to(tl.float32) * tl.load(INV_FREQ + d % half).to(tl.float32)
-            cos = (tl.cos(freq) * scaling).to(dt).to(tl.float32)
-            sin = (tl.sin(freq) * scaling).to(dt).to(tl.float32)
-            out = ((y * cos).to(dt).to(tl.float32) + (rot * sin).to(dt).to(tl.float32)).to(dt)
-            if h < HQ:
-                tl.store(QO + row * sqo_row + h * D + d, out)
-            else:
-                tl.store(KC + b * sk_b + (h - HQ) * sk_h + pos * sk_l + d, out.to(KC.dtype.element_ty))
-        else:
-            tl.store(VC + b * sv_b + (h - HQ - HKV) * sv_h + pos * sv_l + d, x.to(VC.dtype.element_ty))
+        xf = x.to(tl.float32)
+        xp = tl.load(base + partner[None, :], mask=valid, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, 1) / D + eps)[:, None]
+        is_q = (h < HQ)[:, None]
+        w = tl.where(is_q, tl.load(QW + d)[None, :], tl.load(KW + d)[None, :]).to(tl.float32)
+        wp = tl.where(is_q, tl.load(QW + partner)[None, :], tl.load(KW + partner)[None, :]).to(tl.float32)
+        y = ((xf * rstd).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+        yp = ((xp * rstd).to(dt).to(tl.float32) * wp).to(dt).to(tl.float32)
+        rot = tl.where((d < half)[None, :], -yp, yp)
+        freq = (pos + tl.load(DELTA + b)).to(tl.float32) * tl.load(INV_FREQ + d % half).to(tl.float32)
+        cos = (tl.cos(freq) * scaling).to(dt).to(tl.float32)[None, :]
+        sin = (tl.sin(freq) * scaling).to(dt).to(tl.float32)[None, :]
+        out = ((y * cos).to(dt).to(tl.float32) + (rot * sin).to(dt).to(tl.float32)).to(dt)
+        tl.store(QO + row * sqo_row + h[:, None] * D + d[None, :], out, mask=is_q & valid)
+        is_k = ((h >= HQ) & (h < HQ + HKV))[:, None] & valid
+        hk = tl.where(h >= HQ, h - HQ, 0)
+        tl.store(KC + b * sk_b + hk[:, None] * sk_h + pos * sk_l + d[None, :], out.to(KC.dtype.element_ty),
+                 mask=is_k)
+        is_v = (h >= HQ + HKV)[:, None] & valid
+        hv = tl.where(h >= HQ + HKV, h - HQ - HKV, 0)
+        tl.store(VC + b * sv_b + hv[:, None] * sv_h + pos * sv_l + d[None, :], x.to(VC.dtype.element_ty),
+                 mask=is_v)
 
     @triton.jit
     def _silu_mul_kernel(GU, Y, s_row, sy_row, n, BLOCK: tl.constexpr):
@@ -144,11 +147,12 @@ def qk_norm_rope_write(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_norm_we
     d = width // (q_heads + 2 * kv_heads)
     q = torch.empty(b, t, q_heads, d, dtype=qkv.dtype, device=qkv.device)
     rows = qkv.reshape(b * t, width)
-    _qk_norm_rope_write_kernel[(b * t, q_heads + 2 * kv_heads)](
+    heads = q_heads + 2 * kv_heads
+    _qk_norm_rope_write_kernel[(b * t,)](
         rows, q, k_cache, v_cache, q_norm_weight, k_norm_weight, start, rope_delta, inv_freq,
         rows.stride(0), q_heads * d, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scaling, eps,
-        T=t, HQ=q_heads, HKV=kv_heads, D=d, num_warps=1)
+        T=t, HQ=q_heads, HKV=kv_heads, D=d, NH=triton.next_power_of_2(heads), num_warps=4 if heads > 32 else 2)
     return q
 
 
