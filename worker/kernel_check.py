@@ -160,10 +160,37 @@ def check_model(shape: str, dtype, dev, gen) -> list[tuple[str, float, float]]:
     return out
 
 
+def sweep_expert_attention(dev, gen) -> None:
+    """Times the expert's attention (8 rows, T = 64, 16/8 heads, 4400 live keys) under several
+    launch configurations (GPU only; prints a table, chooses nothing)."""
+    import triton.testing
+
+    b, t, hq, hkv, d, cap = 8, 64, 16, 8, 128, 4608
+    q = torch.randn(b, t, hq, d, device=dev, generator=gen).to(torch.bfloat16)
+    k = torch.randn(b, hkv, cap, d, device=dev, generator=gen).to(torch.bfloat16)
+    v = torch.randn_like(k)
+    live = torch.full((b,), 4464, device=dev)
+    flops = 4 * b * hq * t * 4464 * d
+    print("| expert attention config | us | TFLOP/s |\n|---|---|---|")
+    for block_n in (64, 128):
+        for stages in (2, 3):
+            for splits in (None, 1, 2, 3):
+                try:
+                    ms = triton.testing.do_bench(lambda: cache_attention(q, k, v, live, False, block_n=block_n,
+                                                                         num_stages=stages, splits=splits),
+                                                 warmup=20, rep=100, return_mode="median")
+                except Exception as e:          # a config over the shared-memory limit
+                    print(f"| block_n {block_n}, stages {stages}, splits {splits} | {type(e).__name__} | - |")
+                    continue
+                print(f"| block_n {block_n}, stages {stages}, splits {splits or 'auto'} | {ms * 1e3:.1f} | "
+                      f"{flops / ms / 1e9:.0f} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m worker.kernel_check", description=__doc__.split("\n")[0])
     gpu = torch.cuda.is_available()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="32b" if gpu else "tiny")
+    ap.add_argument("--sweep", action="store_true", help="also time the expert attention's launch configurations")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if gpu else "cpu")
     SHAPES_ACTIVE.update(SHAPES[args.shape])
@@ -192,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
             ok = err <= bound[dtype]
             failed += not ok
             print(f"| {name} | model {model_shape} | {str(dtype)[6:]} | {err:.2e} | {mx:.2e} | {'ok' if ok else 'FAIL'} |")
+    if args.sweep and gpu:
+        sweep_expert_attention(dev, gen)
     print(f"{'FAILED' if failed else 'passed'}: {failed} check(s) out of bounds")
     return 1 if failed else 0
 

@@ -173,13 +173,15 @@ def split_plan(rows: int, kv_heads: int, m_tiles: int, capacity: int, block_n: i
 
 
 def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: torch.Tensor,
-                    causal: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+                    causal: bool, out: torch.Tensor | None = None, *, block_n: int = 64,
+                    num_stages: int | None = None, splits: int | None = None) -> torch.Tensor:
     """softmax(q K^T / sqrt(D)) V over keys [0, kv_len[b]) of each row (causal: query t of T stops
     at kv_len[b] - T + t), grouped-query heads reading their KV head once.
 
     q (B, T, Hq, D) (any strides with D contiguous); k_cache, v_cache (>= B, Hkv, L, D) with D
     contiguous; kv_len (B,) integer -> (B, T, Hq, D) in q's dtype (or written into `out`).
-    Triton kernel when q is on a GPU; `attend_reference` otherwise.
+    Triton kernel when q is on a GPU; `attend_reference` otherwise. block_n, num_stages and
+    splits override the launch configuration (the kernel check's sweep).
     """
     if not (q.is_cuda and triton is not None) and not _interpret():
         res = attend_reference(q, k_cache[:q.shape[0]], v_cache[:q.shape[0]], kv_len, causal)
@@ -191,8 +193,11 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # one query tile per KV head where it fits (the expert's 2 x 64 queries: K/V read once)
     block_m = 16 if rows_m <= 16 else 32 if rows_m <= 32 else 64 if rows_m <= 64 else 128
     m_tiles = -(-rows_m // block_m)
-    block_n = 64
-    size, splits = split_plan(b, hkv, m_tiles, cap, block_n)
+    if splits is None:
+        size, splits = split_plan(b, hkv, m_tiles, cap, block_n)
+    else:
+        size = -(-(-(-cap // splits)) // block_n) * block_n
+        splits = -(-cap // size)
     if out is None:
         out = torch.empty(b, t, hq, d, dtype=q.dtype, device=q.device)
     direct = splits == 1
@@ -210,7 +215,8 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3),
         lpart.stride(0), lpart.stride(1), lpart.stride(2), out.stride(0), out.stride(1), out.stride(2), qk_scale,
         T=t, G=g, HKV=hkv, D=d, SPLIT=size, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, DIRECT=direct,
-        num_warps=8 if block_m == 128 else 4, num_stages=3 if block_m >= 64 or direct else 2)
+        num_warps=8 if block_m == 128 else 4,
+        num_stages=num_stages or (3 if (block_m >= 64 or direct) and q.element_size() == 2 else 2))
     if direct:
         return out
     _merge_kernel[(b * hq,)](
