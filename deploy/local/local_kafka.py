@@ -30,7 +30,8 @@ from typing import Iterator
 from deploy.local.errors import LocalKafkaError
 from deploy.local.host import free_ports, log_tail, pid_alive, port_free
 from deploy.local.jars import cache_root, ensure_jars, java_executable, kafka_version
-from deploy.local.node_config import LOG4J2_PROPERTIES, SCRAM_MECHANISM, SECURITY_MODES, ensure_tls, server_properties
+from deploy.local.node_config import (LOG4J2_PROPERTIES, SCRAM_MECHANISM, SECURITY_MODES, ensure_tls,
+                                      server_properties)
 from deploy.local.probe import probe_api_versions, probe_metadata
 
 KAFKA_MAIN = "kafka.Kafka"
@@ -238,6 +239,8 @@ class LocalKafka:
         if self.security != "sasl_ssl":
             raise LocalKafkaError("ssl_context() is only for security='sasl_ssl'")
         return ssl.create_default_context(cafile=self.ca_file)
+
+    # ---- config (deploy.local.node_config) -------------------------------------------------
 
     def _write_config(self, i: int, ports: dict[int, dict[str, int]]) -> None:
         self._config_file(i).write_text(server_properties(
