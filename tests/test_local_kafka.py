@@ -1,4 +1,4 @@
-"""The local Apache Kafka (deploy/local/cluster.py) against real brokers: no mocks."""
+"""The local Apache Kafka (deploy/local/) against real brokers: no mocks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import time
 
 import pytest
 
-from deploy.local.cluster import LocalKafka, LocalKafkaError, probe_api_versions, probe_metadata
+from deploy.local import local_kafka
+from deploy.local.cluster import LocalKafka, LocalKafkaError
+from deploy.local.probe import probe_api_versions, probe_metadata
 
 pytestmark = pytest.mark.kafka
 
@@ -90,12 +92,10 @@ def test_protocol_probe_sees_the_broker(local_kafka, kafka_bootstrap):
 
 def test_start_failure_points_at_the_log(tmp_path, monkeypatch):
     """A node that cannot start fails loudly, naming its log file, instead of hanging."""
-    from deploy.local import cluster
-
-    libs = cluster.ensure_jars()  # the jars of the real cache, before ALPAMAYO_CACHE moves
+    libs = local_kafka.ensure_jars()  # the jars of the real cache, before ALPAMAYO_CACHE moves
     monkeypatch.setenv("ALPAMAYO_CACHE", str(tmp_path))
-    monkeypatch.setattr(cluster, "ensure_jars", lambda *a, **k: libs)
-    monkeypatch.setattr(cluster, "NODE_JVM_OPTS", [*cluster.NODE_JVM_OPTS, "-XX:+NoSuchJvmOption"])
+    monkeypatch.setattr(local_kafka, "ensure_jars", lambda *a, **k: libs)
+    monkeypatch.setattr(local_kafka, "NODE_JVM_OPTS", [*local_kafka.NODE_JVM_OPTS, "-XX:+NoSuchJvmOption"])
     bad = LocalKafka(name="broken", start_timeout=60)
     t0 = time.monotonic()
     with pytest.raises(LocalKafkaError, match=r"node 1 exited during startup; log: .*kafka\.log"):

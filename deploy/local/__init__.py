@@ -1,1 +1,1 @@
-"""Local Apache Kafka (KRaft) from Maven Central jars: see cluster.py."""
+"""Local Apache Kafka (KRaft) from Maven Central jars, stdlib only: see cluster.py."""
