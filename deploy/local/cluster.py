@@ -110,6 +110,8 @@ class LocalKafkaError(RuntimeError):
 
 def cache_root() -> Path:
     """``$ALPAMAYO_CACHE`` or ``~/.cache/alpamayo-worker``."""
+    # Reads ALPAMAYO_CACHE itself, the one exception to worker/config.py owning it (and, below, the one copy
+    # of worker.demo_cache.file_lock): this module is stdlib-only and runs on the system python without the venv.
     env = os.environ.get("ALPAMAYO_CACHE")
     root = Path(env).expanduser() if env else Path.home() / ".cache" / "alpamayo-worker"
     return root.resolve()
