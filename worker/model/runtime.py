@@ -25,6 +25,7 @@ from worker.model.checkpoint import load_model
 from worker.model.config import AlpamayoConfig, TokenIds
 from worker.model.decoder import TextDecoder
 from worker.model.expert import ActionExpert
+from worker.model.fp8 import quantize_model_fp8
 from worker.model.generate import baseline_decode, start_batch
 from worker.model.graphs import GraphCache, bucket
 from worker.model.inputs import ImageProcessing, PromptBuilder, PromptSpec, mrope_positions
@@ -178,7 +179,6 @@ class AlpamayoRuntime:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model, cfg = load_model(checkpoint, device=device, dtype=dtype)
         if precision == "fp8":
-            from worker.model.fp8 import quantize_model_fp8
             quantize_model_fp8(model)
         tok, ids = load_tokenizer(checkpoint, cfg)
         image_proc = ImageProcessing.from_dir(Path(checkpoint), cfg.min_pixels, cfg.max_pixels)
