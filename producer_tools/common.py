@@ -13,11 +13,13 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import secrets
-import ssl
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, NoReturn
+
+from worker.config import load_settings
+from worker.kafka_clients import security_kwargs
 
 __all__ = [
     "KAFKA_ENV_VARS",
@@ -72,8 +74,6 @@ class KafkaOptions:
 def kafka_options(env: Mapping[str, str] | None = None, **overrides: Any) -> KafkaOptions:
     """Kafka settings from the worker's environment variables (worker.config), then overrides
     (None values are ignored). Raises worker.config.ConfigError on bad configuration."""
-    from worker.config import load_settings
-
     env = os.environ if env is None else env
     s = load_settings({k: v for k, v in env.items() if k in KAFKA_ENV_VARS})
     opts = KafkaOptions(
@@ -91,14 +91,9 @@ def kafka_options(env: Mapping[str, str] | None = None, **overrides: Any) -> Kaf
 
 
 def client_kwargs(opts: KafkaOptions) -> dict[str, Any]:
-    """Keyword arguments for any aiokafka client (producer, consumer, admin)."""
-    kw: dict[str, Any] = {"bootstrap_servers": opts.bootstrap_servers, "security_protocol": opts.security_protocol}
-    if opts.security_protocol.startswith("SASL"):
-        kw.update(sasl_mechanism=opts.sasl_mechanism or "SCRAM-SHA-512",
-                  sasl_plain_username=opts.sasl_username, sasl_plain_password=opts.sasl_password)
-    if opts.security_protocol in ("SSL", "SASL_SSL"):
-        kw["ssl_context"] = ssl.create_default_context(cafile=opts.ssl_cafile)
-    return kw
+    """Keyword arguments for any aiokafka client (producer, consumer, admin): the bootstrap
+    servers plus the worker's own security settings (worker.kafka_clients.security_kwargs)."""
+    return {"bootstrap_servers": opts.bootstrap_servers, **security_kwargs(opts)}
 
 
 # --------------------------------------------------------------------------------------------

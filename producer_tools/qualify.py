@@ -41,10 +41,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from producer_tools.common import ToolError, percentile
+from schemas import CAMERA_IDS_BY_NAME, TASKS as ALL_TASKS
 
 __all__ = ["QualifyOptions", "qualify", "scene_to_request", "format_table", "random_head"]
-
-ALL_TASKS = ("trajectory", "meta_action", "auto_labeling", "vqa", "grounding")
 
 
 @dataclass
@@ -82,7 +81,7 @@ def scene_to_request(scene, task: str, *, k: int = 1, temperature: float = 0.0, 
     """The runtime's SceneRequest for a synthetic scene and a task (what the worker would build
     from the published InferRequest)."""
     from worker.engine import default_seed
-    from worker.model.inputs import CAMERA_IDS_BY_NAME, decode_image
+    from worker.model.inputs import decode_image
     from worker.model.runtime import SceneRequest
 
     vqa = task == "vqa"

@@ -224,7 +224,7 @@ def _spawn_worker(env: dict[str, str], log: Path) -> subprocess.Popen:
     if not (ROOT / "worker" / "service.py").exists():
         pytest.fail("worker/service.py does not exist: the end-to-end producer test needs the worker service "
                     "(python -m worker serve)", pytrace=False)
-    from worker.service import spawn_worker
+    from worker.process import spawn_worker
 
     with open(log, "ab") as f:          # the child keeps its own descriptor
         return spawn_worker(env, stdout=f, stderr=subprocess.STDOUT)

@@ -124,7 +124,7 @@ def _bad_worker_env(kafka, ckpt, **over) -> dict[str, str]:
 
 
 def _run_worker(env: dict[str, str], timeout: float = 180.0) -> tuple[int, str, str, float]:
-    from worker.service import spawn_worker
+    from worker.process import spawn_worker
 
     t0 = time.monotonic()
     p = spawn_worker(env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

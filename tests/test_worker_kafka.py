@@ -12,7 +12,7 @@
 
 Tiny random checkpoint on CPU, reasoning capped at a few tokens (ALPAMAYO_MAX_REASONING_TOKENS).
 Subprocess workers (``python -m worker serve``) run the baseline profile. The DFlash2 run is
-in-process (:class:`worker.service.WorkerThread`): the seed's startup rule refuses a custom head
+in-process (:class:`worker.process.WorkerThread`): the seed's startup rule refuses a custom head
 together with ``NIM_FT_CHECKPOINT`` (our random checkpoint), so that test builds the Settings
 directly.
 """
@@ -90,7 +90,7 @@ class Proc:
     """A `python -m worker serve` subprocess with its log in a file."""
 
     def __init__(self, env: dict, log: Path):
-        from worker.service import spawn_worker
+        from worker.process import spawn_worker
 
         self.env, self.log_path = env, log
         self.url = f"http://127.0.0.1:{env['ALPAMAYO_HTTP_PORT']}"
@@ -280,7 +280,7 @@ def trajectory_requests(scene, n, prefix, k=1):
 
 async def test_mixed_requests_one_answer_each_with_shapes_speculative_block_and_metrics(
         kafka_bootstrap, topic_factory, tiny, scene, tmp_path):
-    from worker.service import WorkerThread
+    from worker.process import WorkerThread
 
     ckpt, head = tiny
     req_t, res_t, dl_t = await topic_factory(2, prefix="req"), await topic_factory(2, prefix="res"), \

@@ -1,6 +1,7 @@
 """``alpamayo-worker``: serve, run one scene, build the demo checkpoint, check a DFlash2 head.
 
-Imports are lazy: ``alpamayo-worker --help`` does not import torch.
+``alpamayo-worker --help`` does not import torch: the modules that import it (worker.engine,
+worker.model.*, worker.dflash.*) are imported inside the commands that use them.
 
 Exit codes: 0 ok; 1 failure (a head that fails its checks, a scene that dead-letters, a crash);
 2 refused configuration (one line on stderr).
@@ -9,7 +10,18 @@ Exit codes: 0 ok; 1 failure (a head that fails its checks, a scene that dead-let
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
+import math
 import sys
+import time
+
+import schemas as S
+from worker import log_filter
+from worker.config import ConfigError, load_settings
+from worker.errors import Refusal
+from worker.intake import Intake, Job, RawRecord
+from worker.process import serve
 
 __all__ = ["main", "scene_request"]
 
@@ -17,8 +29,6 @@ PROG = "alpamayo-worker"
 
 
 def _settings_or_exit():
-    from worker.config import ConfigError, load_settings
-
     try:
         return load_settings()
     except ConfigError as exc:
@@ -27,12 +37,9 @@ def _settings_or_exit():
 
 
 def _logging(level: str) -> None:
-    import logging
-
     logging.basicConfig(level=getattr(logging, level, logging.INFO), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLogger().level))
-    from worker import log_filter
     log_filter.install()
 
 
@@ -44,8 +51,6 @@ def _logging(level: str) -> None:
 def cmd_serve(_args) -> int:
     settings = _settings_or_exit()
     _logging(settings.log_level)
-    from worker.service import serve
-
     return serve(settings)
 
 
@@ -58,8 +63,6 @@ def scene_request(scene, task: str = "trajectory", k: int = 1, *, request_id: st
                   temperature: float | None = None, seed: int | None = None, max_tokens: int | None = None,
                   question: str | None = None, quaternions: bool = False):
     """An :class:`schemas.InferRequest` for one task of a synthetic scene (producer_tools.scenes.Scene)."""
-    import schemas as S
-
     vqa = task == "vqa"
     images = list(scene.vqa_images if vqa else scene.images)
     order = list(scene.vqa_camera_order if vqa else scene.camera_order)
@@ -82,18 +85,13 @@ def scene_request(scene, task: str = "trajectory", k: int = 1, *, request_id: st
 
 
 def cmd_run_scene(args) -> int:
-    import dataclasses
-    import time
-
-    import schemas as S
     from producer_tools.scenes import read_scene
 
     settings = _settings_or_exit()
     _logging(settings.log_level)
     k_values = tuple(sorted(set(settings.k_values) | {args.k}))
     settings = dataclasses.replace(settings, k_values=k_values)
-    from worker.engine import Engine
-    from worker.intake import Intake, Job, RawRecord
+    from worker.engine import Engine     # torch
 
     scene = read_scene(args.path)
     req = scene_request(scene, args.task, args.k, temperature=args.temperature, seed=args.seed,
@@ -127,14 +125,12 @@ def cmd_run_scene(args) -> int:
 
 
 def _seed(request_id: str) -> int:
-    from worker.engine import default_seed
+    from worker.engine import default_seed     # torch
 
     return default_seed(request_id)
 
 
 def _print_result(result, scene) -> None:
-    import math
-
     print(f"request {result.request_id}: task {result.task}, K={result.num_samples}, "
           f"profile {result.model.profile}")
     for i, out in enumerate(result.outputs):
@@ -176,15 +172,16 @@ def _print_result(result, scene) -> None:
 
 def cmd_check_head(args) -> int:
     settings = _settings_or_exit()
-    from worker.dflash.head import HeadError, check_head
+    # torch
+    from worker.dflash.head import check_head
     from worker.engine import resolve_checkpoint
-    from worker.model.checkpoint import CheckpointError, validate_layout
+    from worker.model.checkpoint import validate_layout
 
     try:
         ckpt = resolve_checkpoint(settings)
         cfg, _ = validate_layout(ckpt)
         hc = check_head(args.dir, cfg)
-    except (HeadError, CheckpointError) as exc:
+    except Refusal as exc:         # a refused checkpoint or head
         print(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return 1
     print(f"ok: {args.dir} is a DFlash2 head for {ckpt} (block size {hc.block_size}, "
@@ -193,7 +190,7 @@ def cmd_check_head(args) -> int:
 
 
 def cmd_demo_checkpoint(argv: list[str]) -> int:
-    from worker.demo.build import main as build_main
+    from worker.demo.build import main as build_main     # training code: never imported by serve
 
     rc = build_main(argv)
     return int(rc or 0)
@@ -211,8 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="consume scene jobs from Kafka and publish results (one process per GPU)")
     rs = sub.add_parser("run-scene", help="run one scene file end to end through the engine and print the result")
     rs.add_argument("path", help="scene file (producer_tools.scenes.write_scene)")
-    rs.add_argument("--task", default="trajectory",
-                    choices=["trajectory", "meta_action", "auto_labeling", "vqa", "grounding"])
+    rs.add_argument("--task", default="trajectory", choices=S.TASKS)
     rs.add_argument("--k", type=int, default=1, help="num_traj_samples (default 1)")
     rs.add_argument("--temperature", type=float, default=None, help="default 0 for K=1, else 0.6")
     rs.add_argument("--seed", type=int, default=None)

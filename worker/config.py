@@ -13,23 +13,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from worker.errors import Refusal
+
 PROFILES = ("bf16", "fp8", "bf16-dflash2", "fp8-dflash2")
 SPEC_METRICS = ("summary", "detailed", "none")
 GUARANTEES = ("at_least_once", "exactly_once")
 SECURITY = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 SASL = ("SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN")
+DEFAULT_SASL_MECHANISM = "SCRAM-SHA-512"
 MAX_K = 16
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
-class ConfigError(ValueError):
+class ConfigError(Refusal, ValueError):
     """One line: what is wrong and what to change."""
 
 
 def cache_dir(env: Mapping[str, str] | None = None) -> Path:
-    """ALPAMAYO_CACHE: where the venv, Kafka jars, demo checkpoint and head are cached."""
+    """ALPAMAYO_CACHE: where the venv, Kafka jars, demo checkpoint and head are cached.
+
+    The one reader of ALPAMAYO_CACHE in Python, with one exception: deploy/local/cluster.py reads
+    it itself because it runs on the system python without the venv (see the comment there)."""
     env = os.environ if env is None else env
-    return Path(env.get("ALPAMAYO_CACHE") or Path.home() / ".cache" / "alpamayo-worker")
+    return Path(env.get("ALPAMAYO_CACHE") or Path.home() / ".cache" / "alpamayo-worker").expanduser()
 
 
 @dataclass(frozen=True)
@@ -149,7 +155,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         if not (user and password):
             raise ConfigError(f"ALPAMAYO_KAFKA_SECURITY_PROTOCOL={security} needs ALPAMAYO_KAFKA_SASL_USERNAME "
                               "and ALPAMAYO_KAFKA_SASL_PASSWORD")
-        mechanism = mechanism or "SCRAM-SHA-512"
+        mechanism = mechanism or DEFAULT_SASL_MECHANISM
     cafile = _dir(env, "ALPAMAYO_KAFKA_SSL_CAFILE")
     if cafile and not cafile.is_file():
         raise ConfigError(f"ALPAMAYO_KAFKA_SSL_CAFILE={cafile} does not exist: point it at the CA certificate (PEM)")

@@ -7,13 +7,19 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from pathlib import Path
 
 from schemas import (AutoLabel, GroundingBox, InferRequest, InferResult, Lineage, MetaAction, ModelIdentity,
                      ResultMetrics, SampleOutput, SpeculativeDecoding, StageTimings)
 from worker.config import Settings
-from worker.model.runtime import SceneRequest, SceneResult
+from worker.demo_cache import demo_checkpoint, demo_head
+from worker.dflash.head import check_head
+from worker.dflash.loop import DFlash2Speculator
+from worker.dflash.metrics import speculative_block
+from worker.model.checkpoint import validate_layout
+from worker.model.runtime import AlpamayoRuntime, SceneRequest, SceneResult
 
 log = logging.getLogger("alpamayo.engine")
 MODEL_ID = "nvidia/alpamayo-2-super"
@@ -23,9 +29,7 @@ def resolve_checkpoint(settings: Settings) -> Path:
     """NIM_FT_CHECKPOINT, or the embedded demo checkpoint (built and cached on first use)."""
     if settings.ft_checkpoint is not None:
         return settings.ft_checkpoint
-    from worker.demo.build import build_demo_checkpoint
-
-    return build_demo_checkpoint(cache_root=settings.cache, progress=False)
+    return demo_checkpoint(settings.cache)
 
 
 def resolve_head(settings: Settings, checkpoint: Path) -> Path | None:
@@ -34,9 +38,7 @@ def resolve_head(settings: Settings, checkpoint: Path) -> Path | None:
         return None
     if settings.speculative_model is not None:
         return settings.speculative_model
-    from worker.dflash.train import build_demo_head
-
-    return build_demo_head(checkpoint, cache_root=settings.cache, progress=False)
+    return demo_head(checkpoint, settings.cache)
 
 
 def checkpoint_hash(path: Path) -> str:
@@ -63,9 +65,6 @@ class Engine:
 
     def prepare(self) -> None:
         """Resolve and check checkpoint and head without loading weights (raises CheckpointError)."""
-        from worker.dflash.head import check_head
-        from worker.model.checkpoint import validate_layout
-
         self.checkpoint = resolve_checkpoint(self.settings)
         cfg, _ = validate_layout(self.checkpoint)
         self.head = resolve_head(self.settings, self.checkpoint)
@@ -73,11 +72,6 @@ class Engine:
             check_head(self.head, cfg)
 
     def load(self, warmup: bool = True) -> None:
-        import torch
-
-        from worker.dflash.loop import DFlash2Speculator
-        from worker.model.runtime import AlpamayoRuntime
-
         if self.checkpoint is None:
             self.prepare()
         t0 = time.perf_counter()
@@ -99,7 +93,6 @@ class Engine:
             t0 = time.perf_counter()
             self.runtime.warmup(list(self.settings.k_values))
             log.info("warmed K=%s in %.1fs", list(self.settings.k_values), time.perf_counter() - t0)
-        del torch
 
     def shrink_frame(self, frame):
         """A decoded frame reduced to what the model will read (ImageProcessing.shrink), on CPU
@@ -130,10 +123,6 @@ class Engine:
     def to_result(self, req: InferRequest, res: SceneResult, lineage: Lineage | None, queue_ms: float,
                   total_ms: float, warnings: list[str] = ()) -> InferResult:
         """Wire result of one request. Raises ValueError on non-finite model output."""
-        import math
-
-        from worker.dflash.metrics import speculative_block
-
         spec = None
         if res.speculative is not None and self.settings.spec_metrics != "none":
             spec = SpeculativeDecoding(**speculative_block(res.speculative, self.settings.spec_metrics == "detailed"))

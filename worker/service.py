@@ -1,5 +1,6 @@
-"""The worker process: one asyncio loop (uvloop) per GPU tying intake, batcher, engine and
-publisher together, plus the HTTP side port.
+"""The worker service: one asyncio loop per GPU tying intake, batcher, engine and publisher
+together, plus the HTTP side port. Kafka client settings: ``worker.kafka_clients``; running it
+as a process, a thread or a child: ``worker.process``.
 
 Lifecycle
 ---------
@@ -22,36 +23,32 @@ abandoned (re-delivered to the next owner), the batch running on the engine is w
 most the drain timeout), whatever finished is published and its offsets committed, then the
 partitions' state is dropped - later completions of their work are discarded, so no offset is
 ever committed for unpublished work.
-
-Embedding: :func:`run_worker` (coroutine), :class:`WorkerThread` (own loop on a thread, for
-in-process use), :func:`spawn_worker` + :func:`wait_ready` (subprocess ``python -m worker serve``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import ssl
-import os
 import signal
-import subprocess
 import sys
-import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.abc import ConsumerRebalanceListener
+from aiokafka.errors import KafkaError
 
 from schemas import ContractError, DeadLetter, ErrorCode, Lineage
 from worker.batcher import Batcher
-from worker.config import Settings
+from worker.config import ConfigError, Settings
+from worker.errors import Refusal
 from worker.http import HealthState, SidePort
 from worker.intake import Intake, Job
+from worker.kafka_clients import consumer_kwargs, instance_id, kafka_preflight, producer_kwargs
 from worker.metrics import WorkerMetrics
 from worker.publisher import OffsetTracker, Output, Publisher, PublishError, dead_letter_output, result_output
 
-__all__ = ["WorkerService", "run_worker", "serve", "load_engine", "WorkerThread", "spawn_worker", "wait_ready",
-           "EXIT_OK", "EXIT_FAILED", "EXIT_REFUSED"]
+__all__ = ["WorkerService", "load_engine", "EXIT_OK", "EXIT_FAILED", "EXIT_REFUSED"]
 
 log = logging.getLogger("alpamayo.worker")
 
@@ -74,86 +71,17 @@ def load_engine(engine, settings: Settings) -> None:
     log.info("warmed K=%s in %.1fs", list(settings.k_values), time.perf_counter() - t0)
 
 
-def _is_refusal(exc: BaseException) -> bool:
-    """Startup refusals (bad checkpoint/head/config) exit 2 with one line."""
-    return type(exc).__name__ in ("HeadError", "CheckpointError", "ConfigError")
+class _RebalanceListener(ConsumerRebalanceListener):
+    """Forwards the consumer's rebalance callbacks to the service."""
 
+    def __init__(self, service: "WorkerService"):
+        self.service = service
 
-def _instance_id(settings: Settings) -> str:
-    return settings.group_instance_id or settings.worker_id
+    async def on_partitions_revoked(self, revoked):
+        await self.service._on_revoked(revoked)
 
-
-def transactional_id(settings: Settings) -> str:
-    """Stable per static member: a restarted worker fences its own zombie."""
-    return f"{settings.group_id}.{_instance_id(settings)}"
-
-
-def kafka_security(settings: Settings) -> dict:
-    kw: dict = {"security_protocol": settings.security_protocol}
-    if settings.security_protocol in ("SSL", "SASL_SSL"):
-        from aiokafka.helpers import create_ssl_context
-
-        kw["ssl_context"] = create_ssl_context(cafile=str(settings.ssl_cafile) if settings.ssl_cafile else None)
-    if settings.security_protocol.startswith("SASL"):
-        kw.update(sasl_mechanism=settings.sasl_mechanism, sasl_plain_username=settings.sasl_username,
-                  sasl_plain_password=settings.sasl_password)
-    return kw
-
-
-async def kafka_preflight(settings: Settings, timeout: float = 20.0) -> None:
-    """Open one connection to a bootstrap server with the configured security, before minutes of
-    model loading. Refused credentials or an untrusted broker certificate raise ConfigError (one
-    line, exit 2); an unreachable broker is not a refusal (it may be starting): the Kafka clients'
-    own retries deal with it later."""
-    from aiokafka.conn import create_conn
-    from aiokafka.errors import KafkaError, SaslAuthenticationFailed
-
-    from worker.config import ConfigError
-
-    sec = kafka_security(settings)
-    for hostport in settings.bootstrap_servers.split(","):
-        host, _, port = hostport.strip().rpartition(":")
-        try:
-            conn = await asyncio.wait_for(create_conn(
-                host, int(port), client_id=f"alpamayo-{settings.worker_id}-preflight",
-                request_timeout_ms=int(timeout * 1000), security_protocol=sec["security_protocol"],
-                ssl_context=sec.get("ssl_context"), sasl_mechanism=sec.get("sasl_mechanism"),
-                sasl_plain_username=sec.get("sasl_plain_username"),
-                sasl_plain_password=sec.get("sasl_plain_password")), timeout)
-        except SaslAuthenticationFailed:
-            raise ConfigError(
-                f"Kafka at {hostport} refused the credentials of user {settings.sasl_username!r} "
-                f"({settings.sasl_mechanism}): check ALPAMAYO_KAFKA_SASL_USERNAME and ALPAMAYO_KAFKA_SASL_PASSWORD"
-            ) from None
-        except ssl.SSLCertVerificationError as exc:
-            raise ConfigError(
-                f"Kafka at {hostport}: the broker certificate is not trusted ({exc.verify_message}): set "
-                "ALPAMAYO_KAFKA_SSL_CAFILE to the CA certificate (PEM) that signed it") from None
-        except (OSError, KafkaError, asyncio.TimeoutError, ssl.SSLError) as exc:
-            if settings.security_protocol == "PLAINTEXT" and "closed" in str(exc):
-                raise ConfigError(
-                    f"Kafka at {hostport} closed a PLAINTEXT connection at once: the listener probably needs "
-                    "TLS/SASL (set ALPAMAYO_KAFKA_SECURITY_PROTOCOL)") from None
-            continue                       # unreachable: try the next one; the clients retry later
-        conn.close()
-        return
-
-
-class _Listener:
-    """aiokafka ConsumerRebalanceListener forwarding to the service (built lazily: aiokafka import)."""
-
-    @staticmethod
-    def make(service: "WorkerService"):
-        from aiokafka.abc import ConsumerRebalanceListener
-
-        class Listener(ConsumerRebalanceListener):
-            async def on_partitions_revoked(self, revoked):
-                await service._on_revoked(revoked)
-
-            async def on_partitions_assigned(self, assigned):
-                service._on_assigned(assigned)
-
-        return Listener()
+    async def on_partitions_assigned(self, assigned):
+        self.service._on_assigned(assigned)
 
 
 class WorkerService:
@@ -161,6 +89,8 @@ class WorkerService:
                  install_signal_handlers: bool = True, on_ready=None):
         self.settings = settings
         if engine is None:
+            # worker.engine imports torch (through worker.model.runtime): imported only when the
+            # service builds its own engine, so the Kafka side imports without torch
             from worker.engine import Engine
 
             engine = Engine(settings)
@@ -221,8 +151,6 @@ class WorkerService:
     async def _run_loaded(self, loop) -> int:
         s = self.settings
         # -- kafka preflight: refused credentials / an untrusted CA stop here, before the model loads
-        from worker.config import ConfigError
-
         try:
             await kafka_preflight(s)
         except ConfigError as exc:
@@ -243,7 +171,7 @@ class WorkerService:
         exc = load.exception()
         if exc is not None:
             self.state.set_ready(False, "failed")
-            if _is_refusal(exc):      # one line, as for configuration errors
+            if isinstance(exc, Refusal):      # one line, as for configuration errors
                 print(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, file=sys.stderr, flush=True)
                 return EXIT_REFUSED
             log.error("engine failed to load: %s: %s", type(exc).__name__, exc, exc_info=exc)
@@ -259,10 +187,10 @@ class WorkerService:
         if self._stop.is_set():
             await self._close_kafka()
             return EXIT_OK
-        self.state.detail = {"worker_id": s.worker_id, "group_instance_id": _instance_id(s)}
+        self.state.detail = {"worker_id": s.worker_id, "group_instance_id": instance_id(s)}
         self.state.set_ready(True, "ready")
         log.info("ready: http://%s:%s (profile %s, K=%s, %s, group %s, instance %s)", s.http_host, self.port,
-                 s.profile, list(s.k_values), s.processing_guarantee, s.group_id, _instance_id(s))
+                 s.profile, list(s.k_values), s.processing_guarantee, s.group_id, instance_id(s))
         if self.on_ready is not None:
             self.on_ready(self)
         # -- run -----------------------------------------------------------------------------
@@ -293,24 +221,11 @@ class WorkerService:
 
     # ------------------------------------------------------------------ kafka clients
     async def _start_kafka(self) -> None:
-        from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-
         s = self.settings
-        sec = kafka_security(s)
-        pkw = dict(bootstrap_servers=s.bootstrap_servers, client_id=f"alpamayo-{s.worker_id}", acks="all",
-                   enable_idempotence=True, linger_ms=5, **sec)
-        if self.exactly_once:
-            pkw["transactional_id"] = transactional_id(s)
-        self.producer = AIOKafkaProducer(**pkw)
+        self.producer = AIOKafkaProducer(**producer_kwargs(s))
         await self.producer.start()      # exactly_once: fences the previous incarnation first
-        revoke_s = self._revoke_timeout()
-        self.consumer = AIOKafkaConsumer(
-            bootstrap_servers=s.bootstrap_servers, group_id=s.group_id, group_instance_id=_instance_id(s),
-            client_id=f"alpamayo-{s.worker_id}", enable_auto_commit=False, auto_offset_reset="earliest",
-            isolation_level="read_committed",
-            max_partition_fetch_bytes=max(1 << 20, min(s.max_request_bytes + (64 << 10), 128 << 20)),
-            rebalance_timeout_ms=int((revoke_s + 30) * 1000), **sec)
-        self.consumer.subscribe([s.request_topic], listener=_Listener.make(self))
+        self.consumer = AIOKafkaConsumer(**consumer_kwargs(s, self._revoke_timeout()))
+        self.consumer.subscribe([s.request_topic], listener=_RebalanceListener(self))
         await self.consumer.start()
         self.publisher = Publisher(self.producer, self.consumer, self.tracker, s.group_id, self.exactly_once,
                                    self.metrics)
@@ -363,8 +278,6 @@ class WorkerService:
 
     # ------------------------------------------------------------------ fetch + intake
     async def _fetch_loop(self, loop) -> None:
-        from aiokafka.errors import KafkaError
-
         s = self.settings
         while self._fetching and not self._stop.is_set():
             room = s.max_inflight - self.tracker.inflight
@@ -498,8 +411,6 @@ class WorkerService:
             await asyncio.sleep(MONITOR_INTERVAL_S)
 
     async def _update_lag(self) -> None:
-        from aiokafka import TopicPartition
-
         assignment = list(self.consumer.assignment())
         if not assignment:
             self.metrics.set_lag({})
@@ -562,7 +473,7 @@ class WorkerService:
 
 
 def _default_seed(request_id: str) -> int:
-    from worker.engine import default_seed
+    from worker.engine import default_seed     # torch (see WorkerService.__init__)
 
     return default_seed(request_id)
 
@@ -573,131 +484,8 @@ def _gpu_memory(engine) -> int:
     if dev is None or getattr(dev, "type", "cpu") != "cuda":
         return 0
     try:
-        import torch
+        import torch     # a CUDA runtime is loaded, so torch is too; a local import keeps it off the Kafka side
 
         return int(torch.cuda.memory_reserved(dev))
     except Exception:
         return 0
-
-
-# --------------------------------------------------------------------------------------------
-# entry points
-# --------------------------------------------------------------------------------------------
-
-
-async def run_worker(settings: Settings, engine=None, *, install_signal_handlers: bool = True,
-                     on_ready=None) -> int:
-    """Run the worker until stopped; returns the exit code (0 drained, 1 failed, 2 refused)."""
-    return await WorkerService(settings, engine, install_signal_handlers=install_signal_handlers,
-                               on_ready=on_ready).run()
-
-
-def _return_large_buffers_to_the_os() -> None:
-    """glibc raises its mmap threshold to the size of every large block freed, after which
-    decoding a 1920x1080 frame (a 25 MB float copy, freed at once) is served from the heap, and
-    small long-lived allocations above those holes keep them mapped: 96 such frames left the
-    process 2.2 GB larger. A fixed 1 MiB threshold (M_MMAP_THRESHOLD = -3) keeps every large
-    buffer in its own mapping, unmapped on free. No-op where libc is not glibc."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(-3, 1 << 20)
-    except (OSError, AttributeError):
-        pass
-
-
-def serve(settings: Settings) -> int:
-    """The ``alpamayo-worker serve`` process body on uvloop."""
-    import uvloop
-
-    _return_large_buffers_to_the_os()
-    service = WorkerService(settings)
-    code = uvloop.run(service.run())
-    if service.engine_busy:     # a drain timeout left the engine thread running: do not wait for it
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
-
-
-class WorkerThread:
-    """The worker on its own event loop in a background thread (in-process use: demo, tests)::
-
-        w = WorkerThread(settings).start(); w.wait_ready(120); ...; code = w.stop()
-    """
-
-    def __init__(self, settings: Settings, engine=None, engine_loader=load_engine):
-        self.settings = settings
-        self.engine = engine
-        self.engine_loader = engine_loader
-        self.service: WorkerService | None = None
-        self.exit_code: int | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._main, name="alpamayo-worker", daemon=True)
-        self.error: BaseException | None = None
-
-    def start(self) -> "WorkerThread":
-        self._thread.start()
-        return self
-
-    def _main(self) -> None:
-        import uvloop
-
-        async def main():
-            self._loop = asyncio.get_running_loop()
-            self.service = WorkerService(self.settings, self.engine, engine_loader=self.engine_loader,
-                                         install_signal_handlers=False, on_ready=lambda _s: self._ready.set())
-            return await self.service.run()
-
-        try:
-            self.exit_code = uvloop.run(main())
-        except BaseException as exc:  # surfaced by wait_ready/stop
-            self.error = exc
-            self.exit_code = EXIT_FAILED
-        finally:
-            self._ready.set()
-
-    @property
-    def port(self) -> int | None:
-        return self.service.port if self.service else None
-
-    def wait_ready(self, timeout: float = 300.0) -> bool:
-        """True once ready; False when the worker ended (see exit_code/error) or on timeout."""
-        self._ready.wait(timeout)
-        return self._ready.is_set() and self.exit_code is None
-
-    def stop(self, timeout: float | None = None) -> int | None:
-        """SIGTERM-equivalent: drain and wait for the exit code."""
-        if self._loop is not None and self.service is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self.service.request_stop)
-        self._thread.join(timeout if timeout is not None else self.settings.drain_timeout_s + 30)
-        return self.exit_code
-
-
-def spawn_worker(env: dict[str, str], *, python: str | None = None, cwd: str | os.PathLike | None = None,
-                 stdout=None, stderr=None) -> subprocess.Popen:
-    """Start ``python -m worker serve`` with ``env`` (merged over os.environ)."""
-    root = Path(__file__).resolve().parents[1]
-    full = {**os.environ, **env}
-    full["PYTHONPATH"] = str(root) + (os.pathsep + full["PYTHONPATH"] if full.get("PYTHONPATH") else "")
-    return subprocess.Popen([python or sys.executable, "-m", "worker", "serve"], env=full, cwd=cwd or root,
-                            stdout=stdout, stderr=stderr)
-
-
-def wait_ready(url: str, timeout: float = 300.0, proc: subprocess.Popen | None = None) -> None:
-    """Poll ``{url}/v1/health/ready`` until 200. Raises TimeoutError, or RuntimeError if ``proc`` exits."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"worker exited with code {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(url.rstrip("/") + "/v1/health/ready", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"worker at {url} not ready after {timeout:.0f}s")

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     from producer_tools.topics import create_topics, plan_topics
     from worker.demo.build import build_demo_checkpoint
     from worker.dflash.train import build_demo_head
-    from worker.service import spawn_worker, wait_ready
+    from worker.process import spawn_worker, wait_ready
 
     print("== 1. local Apache Kafka", flush=True)
     kafka = LocalKafka(name="demo")

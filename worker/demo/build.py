@@ -3,7 +3,7 @@ scenes on the CPU in about three minutes, cached and reused.
 
     build_demo_checkpoint() -> ${ALPAMAYO_CACHE:-~/.cache/alpamayo-worker}/demo-checkpoint-v<DEMO_VERSION>
 
-A complete directory (its `complete` marker is the last file written, inside a temporary
+(the cache layout and DEMO_VERSION: worker.demo_cache). A complete directory (its `complete` marker is the last file written, inside a temporary
 directory that is then renamed into place atomically) is returned at once without importing
 torch. Otherwise the build runs, under a file lock so concurrent callers build once:
 
@@ -31,10 +31,12 @@ import sys
 import time
 from pathlib import Path
 
-DEMO_VERSION = 1
-CACHE_ENV = "ALPAMAYO_CACHE"
-DEFAULT_CACHE = "~/.cache/alpamayo-worker"
-COMPLETE_MARKER = "complete"
+from schemas import CAMERAS
+from worker.demo import report
+from worker.demo_cache import COMPLETE_MARKER, DEMO_VERSION, checkpoint_dir, file_lock, is_complete
+
+# Everything that imports torch (torch itself, worker.model.*, worker.demo.layout/train) is imported
+# inside the functions that train: a cached checkpoint is answered without importing torch.
 
 TRAIN_SCENES = 600                    # training scenes; the first TEXT_TASK_SCENES also train the text tasks
 TEXT_TASK_SCENES = 300                # the rest only the trajectory task (+ the expert refinement)
@@ -63,20 +65,7 @@ def _train_configs():
     return TrainConfig(steps=170, expert_repeats=4, kv_grad_scale=1.0), RefineConfig(steps=400, lr=3e-3)
 
 
-# ------------------------------------------------------------------ cache layout
-
-def cache_root(root: str | os.PathLike | None = None) -> Path:
-    return Path(root if root is not None else os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
-
-
-def checkpoint_dir(root: str | os.PathLike | None = None, seed: int = 0) -> Path:
-    name = f"demo-checkpoint-v{DEMO_VERSION}" + ("" if seed == 0 else f"-seed{seed}")
-    return cache_root(root) / name
-
-
-def is_complete(directory: Path) -> bool:
-    return (Path(directory) / COMPLETE_MARKER).is_file()
-
+# ------------------------------------------------------------------ scene seeds
 
 def train_seeds(seed: int) -> list[int]:
     return [seed * 100_000 + i for i in range(TRAIN_SCENES)]
@@ -84,19 +73,6 @@ def train_seeds(seed: int) -> list[int]:
 
 def heldout_seeds(seed: int) -> list[int]:
     return [seed * 100_000 + HELDOUT_SEED_OFFSET + i for i in range(HELDOUT_SCENES)]
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    import fcntl
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager
@@ -131,7 +107,7 @@ def build_demo_checkpoint(cache_root: str | os.PathLike | None = None, seed: int
     final = checkpoint_dir(cache_root, seed)
     if not force and is_complete(final):
         return final
-    with _file_lock(final.parent / f".{final.name}.lock"):
+    with file_lock(final.parent / f".{final.name}.lock"):
         if not force and is_complete(final):       # another process finished it while we waited
             return final
         tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
@@ -151,10 +127,10 @@ def build_demo_checkpoint(cache_root: str | os.PathLike | None = None, seed: int
 def prompt_strings() -> list[str]:
     """The fixed text of every prompt (system message, camera names, frame labels, instructions,
     default questions, chat roles), so the tokenizer learns them as few tokens."""
-    from worker.model.inputs import CAMERAS, DEFAULT_QUESTIONS, INSTRUCTIONS, SYSTEM_PROMPT
+    from worker.model.inputs import DEFAULT_QUESTIONS, INSTRUCTIONS, SYSTEM_PROMPT
 
     return ([SYSTEM_PROMPT, *INSTRUCTIONS.values(), *DEFAULT_QUESTIONS.values(), "system\n", "user\n", "assistant\n"]
-            + [f"{name}: " for _, name in CAMERAS.values()] + [f"frame {k} " for k in range(4)])
+            + [f"{c.display_name}: " for c in CAMERAS.values()] + [f"frame {k} " for k in range(4)])
 
 
 def tokenizer_corpus(scenes) -> list[str]:
@@ -170,7 +146,7 @@ def _build(out: Path, seed: int, progress: bool) -> None:
     import torch
 
     from producer_tools.scenes import generate_scene
-    from worker.demo import report, train
+    from worker.demo import train
     from worker.demo.layout import build_tokenizer, make_config, write_support_files
     from worker.model.checkpoint import save_checkpoint
     from worker.model.config import AlpamayoConfig
@@ -266,19 +242,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="rebuild even if a complete checkpoint is cached")
     p.add_argument("--seed", type=int, default=0, help="training seed (default 0, the embedded checkpoint)")
     p.add_argument("--cache-dir", default=None,
-                   help=f"cache root (default ${CACHE_ENV} or {DEFAULT_CACHE})")
+                   help="cache root (default: ALPAMAYO_CACHE, see worker.config)")
     p.add_argument("--quiet", action="store_true", help="no build progress, only the result")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     path = build_demo_checkpoint(args.cache_dir, seed=args.seed, force=args.force, progress=not args.quiet)
-    from worker.demo.report import format_table
-
     q = load_quality(path)
     b = q.get("build", {})
     print(f"demo checkpoint: {path}")
     print(f"(v{b.get('demo_version', DEMO_VERSION)}, seed {b.get('seed')}, built in {b.get('build_wall_s')}s wall / "
           f"{b.get('build_cpu_s')}s CPU; this call {time.perf_counter() - t0:.1f}s)")
-    print(format_table(q))
+    print(report.format_table(q))
     return 0
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import re
 import time
+import types
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable, Sequence
@@ -42,14 +43,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from schemas import CAMERA_IDS_BY_NAME, TASKS
 from worker.model.action_space import UnicycleActionSpaceConfig, trajectory_to_action
 from worker.model.expert import ActionExpert
-from worker.model.inputs import CAMERA_IDS_BY_NAME, decode_image
+from worker.model.inputs import decode_image
 from worker.model.runtime import AlpamayoRuntime, SceneRequest
-
-TASKS = ("trajectory", "meta_action", "auto_labeling", "vqa", "grounding")
-TRAJ_FUTURE_START = "<|traj_future_start|>"
-IM_END = "<|im_end|>"
+from worker.model.text_tasks import IM_END, TRAJ_FUTURE_START
 
 
 # ------------------------------------------------------------------ scenes -> requests / targets
@@ -227,7 +226,7 @@ def build_examples(runtime: AlpamayoRuntime, scenes: Sequence, tasks: Sequence[s
 def _vision_attention_batched(self, hidden_states, cu_seqlens, position_embeddings=None, **kwargs):
     """Qwen3VLVisionAttention.forward for equal-length images in one SDPA call (transformers'
     non-flash path loops over images; the math is the same block-diagonal attention)."""
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision  # heavy: training only
 
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     n = hidden_states.shape[0]
@@ -258,8 +257,6 @@ class fast_training_paths:
         self.visual = model.vlm.model.visual
 
     def __enter__(self):
-        import types
-
         self.patched = [(self.visual.patch_embed, types.MethodType(_patch_embed_linear, self.visual.patch_embed))]
         self.patched += [(b.attn, types.MethodType(_vision_attention_batched, b.attn)) for b in self.visual.blocks]
         for mod, fn in self.patched:

@@ -13,11 +13,13 @@ the draft's top-C candidates, teacher-forced on the previous true token.
 
 from __future__ import annotations
 
-import hashlib
+import argparse
+import io
 import json
 import math
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,11 +27,15 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
+from schemas import CAMERA_IDS_BY_NAME
+from worker.demo_cache import COMPLETE_MARKER, HEAD_VERSION, head_dir
 from worker.dflash.draft import MASK_TOKEN, DraftModel
 from worker.dflash.head import HeadConfig, head_config_for, write_metadata
-
-HEAD_VERSION = 1
+from worker.dflash.loop import DFlash2Speculator
+from worker.model.config import AlpamayoConfig
+from worker.model.runtime import AlpamayoRuntime, SceneRequest
 GAMMA = 4.0
 
 
@@ -183,13 +189,7 @@ def measure_acceptance(rt_spec, requests) -> dict:
 
 def demo_requests(seeds, k: int = 1, temperature: float = 0.0):
     """Trajectory SceneRequests from synthetic scenes."""
-    import io
-
-    from PIL import Image
-
     from producer_tools.scenes import generate_scene
-    from worker.model.inputs import CAMERA_IDS_BY_NAME
-    from worker.model.runtime import SceneRequest
 
     out = []
     for seed in seeds:
@@ -208,20 +208,11 @@ def build_demo_head(checkpoint: str | Path, cache_root: str | Path | None = None
                     force: bool = False, progress: bool = True, train_scenes: int = 64,
                     eval_scenes: int = 16, steps: int = 400, time_budget_s: float = 120.0) -> Path:
     """The packaged DFlash2 head of the demo checkpoint, cached next to it (keyed by version and
-    the base config hash). Returns its directory."""
-    from worker.config import cache_dir
-    from worker.dflash.loop import DFlash2Speculator
-    from worker.model.config import AlpamayoConfig
-    from worker.model.runtime import AlpamayoRuntime
-
+    the base config hash and weights: worker.demo_cache.head_dir). Returns its directory."""
     checkpoint = Path(checkpoint)
     base_cfg = AlpamayoConfig.from_dir(checkpoint)
-    root = Path(cache_root) if cache_root else cache_dir()
-    digest = hashlib.sha256(base_cfg.sha256.encode())
-    for shard in sorted(checkpoint.glob("*.safetensors")):      # the weights it is distilled from
-        digest.update(shard.read_bytes())
-    out = root / f"demo-dflash2-head-v{HEAD_VERSION}-{digest.hexdigest()[:12]}"
-    if (out / "complete").is_file() and not force:
+    out = head_dir(checkpoint, cache_root or None)
+    if (out / COMPLETE_MARKER).is_file() and not force:
         return out
     t0 = time.perf_counter()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -251,7 +242,24 @@ def build_demo_head(checkpoint: str | Path, cache_root: str | Path | None = None
         print(f"DFlash2 head: held-out acceptance rate {quality['draft_acceptance_rate']:.3f}, "
               f"mean acceptance length {quality['mean_acceptance_length']:.2f} "
               f"({quality['build_seconds']:.0f} s)", flush=True)
-    (tmp / "complete").write_text("ok\n")
+    (tmp / COMPLETE_MARKER).write_text("ok\n")
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build (or reuse) the packaged DFlash2 head of a checkpoint and print its directory (the
+    serving process runs this in a child interpreter: worker.demo_cache.demo_head)."""
+    p = argparse.ArgumentParser(prog="python -m worker.dflash.train", description=main.__doc__)
+    p.add_argument("--checkpoint", required=True, help="the base checkpoint directory the head drafts for")
+    p.add_argument("--cache-dir", default=None, help="cache root (default: ALPAMAYO_CACHE, see worker.config)")
+    p.add_argument("--force", action="store_true", help="rebuild even if a complete head is cached")
+    p.add_argument("--quiet", action="store_true", help="no build progress, only the result")
+    args = p.parse_args(argv)
+    print(build_demo_head(args.checkpoint, cache_root=args.cache_dir, force=args.force, progress=not args.quiet))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

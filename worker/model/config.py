@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from worker.errors import Refusal
 from worker.model.action_space import UnicycleActionSpaceConfig
 
 
-class CheckpointError(ValueError):
+class CheckpointError(Refusal, ValueError):
     """A checkpoint directory or config that cannot be served; the message names the piece."""
 
 

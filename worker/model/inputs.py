@@ -17,25 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
-# camera id -> (dataset name, prompt display name)   (section 2.1)
-CAMERAS: dict[int, tuple[str, str]] = {
-    0: ("camera_cross_left_120fov", "Front left camera"),
-    1: ("camera_front_wide_120fov", "Front camera"),
-    2: ("camera_cross_right_120fov", "Front right camera"),
-    3: ("camera_rear_left_70fov", "Rear left camera"),
-    4: ("camera_rear_tele_30fov", "Rear camera"),
-    5: ("camera_rear_right_70fov", "Rear right camera"),
-    6: ("camera_front_tele_30fov", "Front telephoto camera"),
-}
-CAMERA_IDS_BY_NAME = {name: cid for cid, (name, _) in CAMERAS.items()}
-DRIVING_CAMERAS = (0, 1, 2, 3, 5, 6)
-VQA_CAMERAS = (0, 1, 2, 3, 4, 5)
-TASK_CAMERAS = {
-    "trajectory": DRIVING_CAMERAS, "meta_action": DRIVING_CAMERAS, "auto_labeling": DRIVING_CAMERAS,
-    "grounding": DRIVING_CAMERAS, "vqa": VQA_CAMERAS,
-}
-FRAMES_PER_CAMERA = 4
+from schemas import CAMERAS, TASKS_NEEDING_EGOMOTION
 
 SYSTEM_PROMPT = "You are a driving assistant that generates safe and accurate actions."
 INSTRUCTIONS = {
@@ -48,7 +32,6 @@ DEFAULT_QUESTIONS = {
     "grounding": "Find the white lead vehicle directly ahead and return its bounding box in JSON.",
     "vqa": "What are the key traffic elements visible in this scene and how should they influence driving behavior?",
 }
-TASKS_WITH_HISTORY = ("trajectory", "meta_action", "auto_labeling")
 
 ALLOWED_IMAGE_FORMATS = {"JPEG", "PNG", "WEBP", "BMP"}
 
@@ -59,8 +42,6 @@ def decode_image(data: bytes, max_pixels: int = 4096 * 4096, max_bytes: int = 32
     Bounded before decoding: bytes <= max_bytes and the header's width x height <= max_pixels,
     so decompression bombs are refused without allocating. Raises ValueError with the reason.
     """
-    from PIL import Image
-
     if len(data) > max_bytes:
         raise ValueError(f"image is {len(data)} bytes, limit {max_bytes}")
     try:
@@ -230,12 +211,12 @@ class PromptBuilder:
         image = "<|vision_start|>" + "<|image_pad|>" * spec.tokens_per_image + "<|vision_end|>"
         for cid in spec.camera_ids:
             if self.include_camera_ids:
-                parts.append(f"{CAMERAS[cid][1]}: ")
+                parts.append(f"{CAMERAS[cid].display_name}: ")
             for k in range(spec.num_frames):
                 if self.frame_label == "frame_num":
                     parts.append(f"frame {k} ")
                 parts.append(image)
-        if spec.task in TASKS_WITH_HISTORY:
+        if spec.task in TASKS_NEEDING_EGOMOTION:     # the prompt holds the ego history
             parts.append("<|traj_history_start|>" + "<|traj_history|>" * self.tokens_per_history
                          + "<|traj_history_end|>")
         if spec.task == "auto_labeling":

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from schemas import TASKS_NEEDING_EGOMOTION
 from worker.model import text_tasks
 from worker.model.action_space import action_to_trajectory, quat_wxyz_to_matrix
 from worker.model.checkpoint import load_model
@@ -27,7 +28,7 @@ from worker.model.expert import ActionExpert
 from worker.model.fp8 import quantize_model_fp8
 from worker.model.generate import Speculator, baseline_decode, start_batch
 from worker.model.graphs import GraphCache, bucket
-from worker.model.inputs import TASKS_WITH_HISTORY, ImageProcessing, PromptBuilder, PromptSpec, mrope_positions
+from worker.model.inputs import ImageProcessing, PromptBuilder, PromptSpec, mrope_positions
 from worker.model.sampling import SamplingParams, sample_key
 from worker.model.tokenizer import load_tokenizer
 from worker.model.trajectory_tokens import future_tokenizer_from_config, history_tokenizer_from_config
@@ -173,7 +174,7 @@ class AlpamayoRuntime:
         pixel_values, grid = self.image_proc(frames)
         hist_xyz = hist_rot = None
         history_ids = future_ids = None
-        if req.task in TASKS_WITH_HISTORY:
+        if req.task in TASKS_NEEDING_EGOMOTION:
             if req.ego_history_xyz is None or req.ego_history_rot is None:
                 raise InferenceError("missing_egomotion", f"task {req.task} needs egomotion history")
             hist_xyz = torch.as_tensor(req.ego_history_xyz, dtype=torch.float32)[None]

@@ -16,13 +16,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from schemas import TASKS
+
 __all__ = [
     "ASSISTANT_PREFIX",
     "TRAJ_FUTURE_START",
     "IM_END",
     "AUTO_LABELING_KEYS",
     "META_ACTION_KEYS",
-    "TASKS",
     "extract_text",
     "split_meta_action",
     "parse_meta_action",
@@ -46,8 +47,6 @@ AUTO_LABELING_KEYS = (
 )
 #: Fields of a meta action, in output order (section 5.2).
 META_ACTION_KEYS = ("longitudinal", "lateral", "lane")
-#: Tasks understood by :func:`parse_task_output`.
-TASKS = ("trajectory", "meta_action", "auto_labeling", "vqa", "grounding")
 
 _META_MARKER = re.compile(r"(?:Longitudinal|Lateral|Lane)\s*:")
 _META_FIELD = re.compile(r"(Longitudinal|Lateral|Lane)\s*:")

@@ -1,0 +1,73 @@
+"""The serving path: `alpamayo-worker serve` imports no training, benchmark, chaos, demo-building
+or producer-tool code; startup refusals are recognised by their base class."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from worker.config import ConfigError, Settings
+from worker.dflash.head import HeadError
+from worker.errors import Refusal
+from worker.model.config import CheckpointError
+from worker.service import EXIT_FAILED, EXIT_REFUSED, WorkerService
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# what `alpamayo-worker serve` imports before it loads a model: the CLI, the process entry, the
+# service (Kafka clients, intake, publisher) and the engine with everything it loads and warms
+SERVE_MODULES = ("worker.cli", "worker.process", "worker.service", "worker.kafka_clients", "worker.engine",
+                 "worker.demo_cache", "worker.model.runtime", "worker.dflash.loop")
+
+
+def test_serve_path_imports_no_training_benchmark_chaos_or_tool_code():
+    code = (f"import importlib, json, sys\nfor m in {SERVE_MODULES!r}: importlib.import_module(m)\n"
+            "print(json.dumps(sorted(sys.modules)))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr
+    loaded = json.loads(p.stdout)
+    assert set(SERVE_MODULES) <= set(loaded)
+    ours = [m for m in loaded if m.split(".")[0] in ("worker", "schemas", "producer_tools", "deploy")]
+    bad = [m for m in ours if any(w in m for w in ("train", "bench", "chaos")) or m == "worker.demo.build"
+           or m.startswith(("producer_tools", "deploy"))]
+    assert not bad, f"the serving path imports {bad}"
+
+
+def test_refusals_share_one_base_class():
+    for cls in (ConfigError, CheckpointError, HeadError):
+        assert issubclass(cls, Refusal), cls
+    assert issubclass(ConfigError, ValueError) and issubclass(CheckpointError, ValueError)
+
+
+class _Engine:
+    """The parts of worker.engine.Engine the service touches before the model is loaded."""
+
+    def models_payload(self) -> dict:
+        return {"object": "list", "data": []}
+
+
+def _serve_with_loader(loader) -> int:
+    # no broker at 127.0.0.1:1: the preflight skips an unreachable server (the clients retry later)
+    settings = Settings(bootstrap_servers="127.0.0.1:1", http_host="127.0.0.1", http_port=0, worker_id="t")
+    service = WorkerService(settings, _Engine(), engine_loader=loader, install_signal_handlers=False)
+    return asyncio.run(service.run())
+
+
+def test_a_refusal_of_any_subclass_exits_2_and_other_load_failures_exit_1(capfd):
+    class LicenceRefused(Refusal):
+        pass
+
+    def refuse(engine, settings):
+        raise LicenceRefused("the licence file is missing: set LICENCE\nsecond line")
+
+    def crash(engine, settings):
+        raise RuntimeError("out of memory")
+
+    assert _serve_with_loader(refuse) == EXIT_REFUSED
+    assert capfd.readouterr().err.strip().splitlines() == ["the licence file is missing: set LICENCE"]
+    assert _serve_with_loader(crash) == EXIT_FAILED

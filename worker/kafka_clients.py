@@ -1,0 +1,110 @@
+"""How the worker's Kafka clients are configured: security settings, the startup preflight, and
+the producer's and consumer's keyword arguments (static membership, transactional id).
+
+:func:`security_kwargs` is the one builder of the SASL/SSL settings: the producer tools
+(``producer_tools.common.client_kwargs``) use it as well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from pathlib import Path
+from typing import Any, Protocol
+
+from aiokafka.conn import create_conn
+from aiokafka.errors import KafkaError, SaslAuthenticationFailed
+from aiokafka.helpers import create_ssl_context
+
+from worker.config import DEFAULT_SASL_MECHANISM, ConfigError, Settings
+
+__all__ = ["KafkaSecurity", "security_kwargs", "instance_id", "transactional_id", "producer_kwargs",
+           "consumer_kwargs", "kafka_preflight"]
+
+
+class KafkaSecurity(Protocol):
+    """The security fields shared by worker.config.Settings and producer_tools.common.KafkaOptions."""
+
+    security_protocol: str
+    sasl_mechanism: str | None
+    sasl_username: str | None
+    sasl_password: str | None
+    ssl_cafile: str | Path | None
+
+
+def security_kwargs(sec: KafkaSecurity) -> dict[str, Any]:
+    """Keyword arguments of any aiokafka client (producer, consumer, admin, connection) for the
+    configured security protocol: ``security_protocol``, plus ``ssl_context`` (SSL, SASL_SSL)
+    and the SASL mechanism and credentials (SASL_*)."""
+    kw: dict[str, Any] = {"security_protocol": sec.security_protocol}
+    if sec.security_protocol in ("SSL", "SASL_SSL"):
+        kw["ssl_context"] = create_ssl_context(cafile=str(sec.ssl_cafile) if sec.ssl_cafile else None)
+    if sec.security_protocol.startswith("SASL"):
+        kw.update(sasl_mechanism=sec.sasl_mechanism or DEFAULT_SASL_MECHANISM,
+                  sasl_plain_username=sec.sasl_username, sasl_plain_password=sec.sasl_password)
+    return kw
+
+
+def instance_id(settings: Settings) -> str:
+    """The static group member id: ALPAMAYO_GROUP_INSTANCE_ID, else the worker id."""
+    return settings.group_instance_id or settings.worker_id
+
+
+def transactional_id(settings: Settings) -> str:
+    """Stable per static member: a restarted worker fences its own zombie."""
+    return f"{settings.group_id}.{instance_id(settings)}"
+
+
+def producer_kwargs(settings: Settings) -> dict[str, Any]:
+    """Idempotent, acks=all; transactional (exactly_once) with :func:`transactional_id`."""
+    kw = dict(bootstrap_servers=settings.bootstrap_servers, client_id=f"alpamayo-{settings.worker_id}", acks="all",
+              enable_idempotence=True, linger_ms=5, **security_kwargs(settings))
+    if settings.processing_guarantee == "exactly_once":
+        kw["transactional_id"] = transactional_id(settings)
+    return kw
+
+
+def consumer_kwargs(settings: Settings, revoke_timeout_s: float) -> dict[str, Any]:
+    """Manual commits, static membership, read_committed; fetches sized to the largest accepted
+    request; a rebalance timeout that leaves a revoke ``revoke_timeout_s`` to finish its batch."""
+    s = settings
+    return dict(
+        bootstrap_servers=s.bootstrap_servers, group_id=s.group_id, group_instance_id=instance_id(s),
+        client_id=f"alpamayo-{s.worker_id}", enable_auto_commit=False, auto_offset_reset="earliest",
+        isolation_level="read_committed",
+        max_partition_fetch_bytes=max(1 << 20, min(s.max_request_bytes + (64 << 10), 128 << 20)),
+        rebalance_timeout_ms=int((revoke_timeout_s + 30) * 1000), **security_kwargs(s))
+
+
+async def kafka_preflight(settings: Settings, timeout: float = 20.0) -> None:
+    """Open one connection to a bootstrap server with the configured security, before minutes of
+    model loading. Refused credentials or an untrusted broker certificate raise ConfigError (one
+    line, exit 2); an unreachable broker is not a refusal (it may be starting): the Kafka clients'
+    own retries deal with it later."""
+    sec = security_kwargs(settings)
+    for hostport in settings.bootstrap_servers.split(","):
+        host, _, port = hostport.strip().rpartition(":")
+        try:
+            conn = await asyncio.wait_for(create_conn(
+                host, int(port), client_id=f"alpamayo-{settings.worker_id}-preflight",
+                request_timeout_ms=int(timeout * 1000), security_protocol=sec["security_protocol"],
+                ssl_context=sec.get("ssl_context"), sasl_mechanism=sec.get("sasl_mechanism"),
+                sasl_plain_username=sec.get("sasl_plain_username"),
+                sasl_plain_password=sec.get("sasl_plain_password")), timeout)
+        except SaslAuthenticationFailed:
+            raise ConfigError(
+                f"Kafka at {hostport} refused the credentials of user {settings.sasl_username!r} "
+                f"({settings.sasl_mechanism}): check ALPAMAYO_KAFKA_SASL_USERNAME and ALPAMAYO_KAFKA_SASL_PASSWORD"
+            ) from None
+        except ssl.SSLCertVerificationError as exc:
+            raise ConfigError(
+                f"Kafka at {hostport}: the broker certificate is not trusted ({exc.verify_message}): set "
+                "ALPAMAYO_KAFKA_SSL_CAFILE to the CA certificate (PEM) that signed it") from None
+        except (OSError, KafkaError, asyncio.TimeoutError, ssl.SSLError) as exc:
+            if settings.security_protocol == "PLAINTEXT" and "closed" in str(exc):
+                raise ConfigError(
+                    f"Kafka at {hostport} closed a PLAINTEXT connection at once: the listener probably needs "
+                    "TLS/SASL (set ALPAMAYO_KAFKA_SECURITY_PROTOCOL)") from None
+            continue                       # unreachable: try the next one; the clients retry later
+        conn.close()
+        return
