@@ -137,16 +137,18 @@ if triton is not None:
     def _merge_kernel(OPART, LPART, KVLEN, OUT,
                       so_b, so_h, so_t, so_s, sl_b, sl_h, sl_t, sout_b, sout_t, sout_h,
                       HQ: tl.constexpr, T: tl.constexpr, D: tl.constexpr, SPLIT,
-                      S_MAX: tl.constexpr):
-        pid = tl.program_id(0)                   # (b, hq); the T queries in turn
+                      S_MAX: tl.constexpr, TB: tl.constexpr):
+        pid = tl.program_id(0)                   # (b, hq); TB of the T queries in turn
         hq = pid % HQ
         b = pid // HQ
+        t0 = tl.program_id(1) * TB
         kv_len = tl.load(KVLEN + b).to(tl.int32)
         used = (kv_len + SPLIT - 1) // SPLIT
         offs_s = tl.arange(0, S_MAX)
         s_valid = offs_s < used
         offs_d = tl.arange(0, D)
-        for t in tl.static_range(T):
+        for i in tl.static_range(TB):
+            t = t0 + i
             lse = tl.load(LPART + b * sl_b + hq * sl_h + t * sl_t + offs_s, mask=s_valid, other=float("-inf"))
             m = tl.max(lse, 0)
             w = tl.where(s_valid, tl.exp2(lse - m), 0.0)
@@ -160,13 +162,16 @@ _SMS = 132                      # an H100/H200's multiprocessors
 _MAX_SPLITS = 64
 
 
-def split_plan(rows: int, kv_heads: int, m_tiles: int, capacity: int, block_n: int) -> tuple[int, int]:
+def split_plan(rows: int, kv_heads: int, m_tiles: int, capacity: int, block_n: int,
+               block_m: int = 16) -> tuple[int, int]:
     """-> (split size in keys, number of splits) for a launch over `capacity` cache columns.
 
     About one program per multiprocessor or more without splitting: one split, no merge kernel.
     Fewer programs than that: split the keys so that about 2 waves of programs run."""
     programs = rows * kv_heads * m_tiles
     want = 1 if programs >= _SMS - 8 else -(-2 * _SMS // programs)
+    if block_m >= 128:                   # compute-heavy tiles (the expert): measured fastest unsplit
+        want = 1
     splits = max(1, min(want, _MAX_SPLITS, -(-capacity // block_n)))
     size = -(-(-(-capacity // splits)) // block_n) * block_n
     return size, -(-capacity // size)
@@ -194,7 +199,7 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_m = 16 if rows_m <= 16 else 32 if rows_m <= 32 else 64 if rows_m <= 64 else 128
     m_tiles = -(-rows_m // block_m)
     if splits is None:
-        size, splits = split_plan(b, hkv, m_tiles, cap, block_n)
+        size, splits = split_plan(b, hkv, m_tiles, cap, block_n, block_m)
     else:
         size = -(-(-(-cap // splits)) // block_n) * block_n
         splits = -(-cap // size)
@@ -219,11 +224,12 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_stages=num_stages or (3 if (block_m >= 64 or direct) and q.element_size() == 2 else 2))
     if direct:
         return out
-    _merge_kernel[(b * hq,)](
+    tb = 8 if t % 8 == 0 else 1
+    _merge_kernel[(b * hq, t // tb)](
         opart, lpart, kv_len, out,
         opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3),
         lpart.stride(0), lpart.stride(1), lpart.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        HQ=hq, T=t, D=d, SPLIT=size, S_MAX=max(16, triton.next_power_of_2(splits)), num_warps=4)
+        HQ=hq, T=t, D=d, SPLIT=size, S_MAX=max(16, triton.next_power_of_2(splits)), TB=tb, num_warps=4)
     return out
 
 
