@@ -69,3 +69,16 @@ def test_bytes_per_column_counts_every_layer():
     d.num_layers, d.kv_heads, d.head_dim = 64, 8, 128
     ckpt_rt.decoder, ckpt_rt.dtype, ckpt_rt.speculator = d, torch.bfloat16, None
     assert ckpt_rt.kv_bytes_per_column() == 2 * 64 * 8 * 128 * 2
+
+
+def test_engine_plans_the_cache_and_shows_it_in_the_models_payload(tmp_path):
+    from worker.config import load_settings
+    from worker.engine import Engine
+
+    ckpt = write_random_checkpoint(tmp_path / "ckpt", max_shard_bytes=300_000)
+    engine = Engine(load_settings({"NIM_FT_CHECKPOINT": str(ckpt), "ALPAMAYO_DEVICE": "cpu",
+                                   "NIM_ALPAMAYO_TRAJ_SAMPLES": "1,3", "ALPAMAYO_MAX_BATCH_SIZE": "4"}))
+    engine.load(warmup=False)
+    model = engine.models_payload()["data"][0]
+    assert model["max_rows"] == 12 and model["kv_cache_tokens"] == 12 * 8192
+    assert model["memory_plan"]["device"] == "cpu" and model["action_expert_max_batch_size"] == 12

@@ -189,3 +189,13 @@ def test_run_scene_cli_runs_one_scene_end_to_end(tiny, tmp_path):
              {"NIM_FT_CHECKPOINT": str(ckpt), "ALPAMAYO_DEVICE": "cpu", "ALPAMAYO_LOG_LEVEL": "WARNING",
               "ALPAMAYO_MAX_REASONING_TOKENS": "4"})
     assert q.returncode == 0 and "answer:" in q.stdout and "trajectory 0" not in q.stdout, q.stdout + q.stderr
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.1", "ninety", "nan"])
+def test_bad_gpu_memory_fraction(value):
+    refused({"ALPAMAYO_GPU_MEMORY_FRACTION": value}, "ALPAMAYO_GPU_MEMORY_FRACTION", "(0, 1]")
+
+
+def test_gpu_memory_fraction_default_and_value():
+    assert load_settings({}).gpu_memory_fraction == 0.90
+    assert load_settings({"ALPAMAYO_GPU_MEMORY_FRACTION": "0.5"}).gpu_memory_fraction == 0.5

@@ -69,6 +69,7 @@ class Settings:
     http_host: str = "0.0.0.0"
     http_port: int = 8000
     drain_timeout_s: float = 60.0
+    gpu_memory_fraction: float = 0.90           # weights + KV cache + reserve, of the GPU's memory
     claim_check_roots: tuple[str, ...] = ()
     worker_id: str = "worker"
     cache: Path = field(default_factory=cache_dir)
@@ -172,6 +173,14 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         drain_s = float(drain) if drain else 60.0
     except ValueError:
         raise ConfigError(f"ALPAMAYO_DRAIN_TIMEOUT_S={drain!r} is not a number of seconds") from None
+    fraction = env.get("ALPAMAYO_GPU_MEMORY_FRACTION")
+    try:
+        gpu_fraction = float(fraction) if fraction else 0.90
+    except ValueError:
+        gpu_fraction = float("nan")
+    if not 0.0 < gpu_fraction <= 1.0:
+        raise ConfigError(f"ALPAMAYO_GPU_MEMORY_FRACTION={fraction!r} is not a fraction of GPU memory: use a number "
+                          "in (0, 1], e.g. ALPAMAYO_GPU_MEMORY_FRACTION=0.90")
     for t in ("ALPAMAYO_REQUEST_TOPIC", "ALPAMAYO_RESULT_TOPIC", "ALPAMAYO_DEAD_LETTER_TOPIC"):
         v = env.get(t)
         if v is not None and not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", v):
@@ -203,6 +212,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         http_host=env.get("ALPAMAYO_HTTP_HOST") or "0.0.0.0",
         http_port=_int(env, "ALPAMAYO_HTTP_PORT", 8000, 0, 65535),
         drain_timeout_s=drain_s,
+        gpu_memory_fraction=gpu_fraction,
         claim_check_roots=roots,
         worker_id=instance or env.get("ALPAMAYO_WORKER_ID") or host,
         cache=cache_dir(env),
@@ -241,6 +251,8 @@ VARIABLES: dict[str, str] = {
     "ALPAMAYO_HTTP_HOST": "side port bind address (default 0.0.0.0)",
     "ALPAMAYO_HTTP_PORT": "side port: health, models, metrics (default 8000)",
     "ALPAMAYO_DRAIN_TIMEOUT_S": "SIGTERM grace: finish, publish and commit within this (default 60)",
+    "ALPAMAYO_GPU_MEMORY_FRACTION": "share of GPU memory for weights + KV cache + reserve, as vLLM's "
+                                    "gpu_memory_utilization (default 0.90); sizes the cache's rows",
     "ALPAMAYO_CLAIM_CHECK_ROOTS": "comma list of allowed claim-check URI prefixes (file:///data/,...)",
     "ALPAMAYO_WORKER_ID": "worker id in lineage (default: group instance id or host name)",
     "ALPAMAYO_LOG_LEVEL": "DEBUG | INFO (default) | WARNING | ERROR",

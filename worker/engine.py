@@ -11,6 +11,8 @@ import math
 import time
 from pathlib import Path
 
+import torch
+
 from schemas import (AutoLabel, GroundingBox, InferRequest, InferResult, Lineage, MetaAction, ModelIdentity,
                      ResultMetrics, SampleOutput, SpeculativeDecoding, StageTimings)
 from worker.config import Settings
@@ -19,10 +21,12 @@ from worker.dflash.head import check_head
 from worker.dflash.loop import DFlash2Speculator
 from worker.dflash.metrics import speculative_block
 from worker.model.checkpoint import validate_layout
+from worker.model.memory_plan import MemoryPlan, plan as plan_memory
 from worker.model.runtime import AlpamayoRuntime, SceneRequest, SceneResult
 
 log = logging.getLogger("alpamayo.engine")
 MODEL_ID = "nvidia/alpamayo-2-super"
+DEFAULT_ROW_CAPACITY = 8192      # cache columns per row without NIM_ALPAMAYO_MAX_MODEL_LEN
 
 
 def resolve_checkpoint(settings: Settings) -> Path:
@@ -62,6 +66,7 @@ class Engine:
         self.checkpoint: Path | None = None
         self.head: Path | None = None
         self.identity: ModelIdentity | None = None
+        self.plan: MemoryPlan | None = None
 
     def prepare(self) -> None:
         """Resolve and check checkpoint and head without loading weights (raises CheckpointError)."""
@@ -84,15 +89,30 @@ class Engine:
             checkpoint_hash=checkpoint_hash(self.checkpoint),
             speculative_decoding="dflash2" if self.head is not None else None,
             speculative_model=str(self.head) if self.head is not None else None)
+        self.plan = self.plan_memory()             # MemoryPlanError (a refusal) when one scene does not fit
+        log.info("%s", self.plan.describe())
         if self.runtime.device.type == "cuda":      # CUDA graphs over one persistent cache, captured at warm-up
-            self.runtime.enable_graphs(max_rows=self.settings.max_batch_size * max(self.settings.k_values),
-                                       capacity=self.settings.max_model_len or 8192)
+            self.runtime.enable_graphs(max_rows=self.plan.max_rows, capacity=self.plan.capacity)
         log.info("loaded %s (%s) on %s in %.1fs", self.checkpoint, self.settings.profile, self.runtime.device,
                  time.perf_counter() - t0)
         if warmup:
             t0 = time.perf_counter()
             self.runtime.warmup(list(self.settings.k_values))
             log.info("warmed K=%s in %.1fs", list(self.settings.k_values), time.perf_counter() - t0)
+
+    def plan_memory(self) -> MemoryPlan:
+        """The persistent cache's rows from ALPAMAYO_GPU_MEMORY_FRACTION, the weights now resident
+        and the bytes of one cache column (worker/model/memory_plan.py)."""
+        rt, s = self.runtime, self.settings
+        total = weights = 0
+        if rt.device.type == "cuda":
+            total = torch.cuda.mem_get_info(rt.device)[1]
+            weights = torch.cuda.memory_allocated(rt.device)
+        d = rt.decoder
+        prefill_column = 2 * d.num_layers * d.kv_heads * d.head_dim * torch.finfo(rt.dtype).bits // 8
+        return plan_memory(rt.device.type, total, s.gpu_memory_fraction, weights, rt.kv_bytes_per_column(),
+                           s.max_model_len or DEFAULT_ROW_CAPACITY, rows_wanted=s.max_batch_size * max(s.k_values),
+                           rows_needed=max(s.k_values), prefill_bytes_per_column=prefill_column)
 
     def shrink_frame(self, frame):
         """A decoded frame reduced to what the model will read (ImageProcessing.shrink), on CPU
@@ -116,7 +136,11 @@ class Engine:
             "k_values": list(s.k_values), "checkpoint": str(self.checkpoint),
             "checkpoint_hash": self.identity.checkpoint_hash if self.identity else None,
             "max_inflight": s.max_inflight, "max_request_bytes": s.max_request_bytes,
-            "max_model_len": s.max_model_len, "action_expert_max_batch_size": s.max_batch_size * max(s.k_values),
+            "max_model_len": s.max_model_len,
+            "action_expert_max_batch_size": self.plan.max_rows if self.plan else s.max_batch_size * max(s.k_values),
+            "kv_cache_tokens": self.plan.kv_cache_tokens if self.plan else None,
+            "max_rows": self.plan.max_rows if self.plan else None,
+            "memory_plan": self.plan.as_dict() if self.plan else None,
             "default_seed": "sha256(request_id)",
         }]}
 

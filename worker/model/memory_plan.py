@@ -17,10 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from worker.errors import Refusal
+
 GIB = 1 << 30
 
 
-class MemoryPlanError(Exception):
+class MemoryPlanError(Refusal):
     """The configured memory fraction cannot hold the weights and one scene's cache."""
 
 
