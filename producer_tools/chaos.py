@@ -384,7 +384,7 @@ class _Base:
     """A valid trajectory request of a synthetic scene, as a plain dict (bytes stay bytes)."""
 
     def __init__(self, seed: int = 7):
-        from producer_tools.scenes import generate_scene
+        from worker.scenes import generate_scene
         from worker.cli import scene_request
 
         self.scene = generate_scene(seed)
@@ -1210,7 +1210,7 @@ _SCENES: list = []
 
 def _scenes(k: int = 8) -> list:
     if not _SCENES:
-        from producer_tools.scenes import generate_scene
+        from worker.scenes import generate_scene
 
         _SCENES.extend(generate_scene(s) for s in range(k))
     return _SCENES

@@ -368,7 +368,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_scenes(args) -> int:
-    from producer_tools.scenes import write_scenes
+    from worker.scenes import write_scenes
 
     paths = write_scenes(args.out, args.n, args.seed, args.image_size, image_format=args.image_format)
     print(f"wrote {len(paths)} scene files to {args.out}")

@@ -2,7 +2,7 @@
 
 Sources (exactly one):
 
-* ``--scenes-dir DIR``: ``*.msgpack`` scene files (``producer_tools.scenes.write_scenes``).
+* ``--scenes-dir DIR``: ``*.msgpack`` scene files (``worker.scenes.write_scenes``).
 * ``--manifest FILE``: JSONL (one object per line) or Parquet rows. A row is either
   ``{"scene_path": "scene-x.msgpack"}`` (relative to the manifest's directory) or a raw scene:
   ``scene_id``, ``images`` (camera-major image file paths or ``file://`` URIs), ``camera_order``,
@@ -10,7 +10,7 @@ Sources (exactly one):
   ``ego_history_rot`` or ``ego_history_quat``, ``ego_future_xyz`` with ``ego_future_rot`` or
   ``ego_future_quat``. Any row may add ``task`` (a task or a list of tasks, overriding
   ``--tasks``), ``question``, ``nav_text`` and ``labels``.
-* ``--synthetic N --seed S``: synthetic scenes ``S .. S+N-1`` (``producer_tools.scenes``).
+* ``--synthetic N --seed S``: synthetic scenes ``S .. S+N-1`` (``worker.scenes``).
 
 Requests: one per (scene, task) for ``--mix all`` (default) or one per scene with the tasks taken
 in turn for ``--mix round-robin``; ``num_traj_samples = --k``. Request ids are stable:
@@ -103,7 +103,7 @@ class SceneItem:
 
 
 def scene_item(scene, **overrides) -> SceneItem:
-    """A synthetic ``producer_tools.scenes.Scene`` as a SceneItem."""
+    """A synthetic ``worker.scenes.Scene`` as a SceneItem."""
     item = SceneItem(
         scene_id=scene.scene_id,
         camera_order=list(scene.camera_order),
@@ -127,7 +127,7 @@ def scene_item(scene, **overrides) -> SceneItem:
 def _lazy_scene(path: Path, **overrides) -> SceneItem:
     """Scene file -> SceneItem; the file is read now (ids and egomotion) but dropped afterwards
     only if the caller drops the item."""
-    from producer_tools.scenes import read_scene
+    from worker.scenes import read_scene
 
     return scene_item(read_scene(path), **overrides)
 
@@ -216,7 +216,7 @@ def iter_manifest(path: str | os.PathLike) -> tuple[int, Iterator[SceneItem]]:
 def iter_synthetic(n: int, seed: int = 0, image_size: tuple[int, int] = (64, 64),
                    image_format: str = "png") -> tuple[int, Iterator[SceneItem]]:
     """(n, items) of synthetic scenes seed .. seed+n-1, generated lazily."""
-    from producer_tools.scenes import generate_scene
+    from worker.scenes import generate_scene
 
     return n, (scene_item(generate_scene(seed + i, image_size, image_format=image_format)) for i in range(n))
 

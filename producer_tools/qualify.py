@@ -130,7 +130,7 @@ def _resolve(opts: QualifyOptions) -> tuple[Path, Path, str]:
 
 
 def _load_scenes(opts: QualifyOptions) -> list:
-    from producer_tools.scenes import generate_scene, read_scene
+    from worker.scenes import generate_scene, read_scene
 
     if opts.scenes_dir:
         paths = sorted(Path(opts.scenes_dir).glob("*.msgpack"))[: opts.scenes]
@@ -271,7 +271,7 @@ def _plots(out: Path, rows: list[dict], ms: list[Measurement], scenes: list, pre
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from producer_tools.scenes import bev_plot
+    from worker.scenes import bev_plot
 
     paths = {}
     tasks = [r["task"] for r in rows]

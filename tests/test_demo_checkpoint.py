@@ -99,7 +99,7 @@ def test_recorded_build_budget(quality):
 # ---------------------------------------------------------------- the real inference path
 
 def test_heldout_scene_reasoning_names_the_light(quality, runtime):
-    from producer_tools.scenes import generate_scene
+    from worker.scenes import generate_scene
     from worker.demo.train import scene_request
 
     seed = next(s for s in quality["build"]["heldout_scene_seeds"]
@@ -112,7 +112,7 @@ def test_heldout_scene_reasoning_names_the_light(quality, runtime):
 
 
 def test_report_parsers_read_generator_text():
-    from producer_tools.scenes import generate_scene
+    from worker.scenes import generate_scene
 
     for seed in range(30):
         s = generate_scene(seed)
@@ -169,7 +169,7 @@ def test_training_data_pipeline_is_deterministic(ckpt, runtime, quality):
     """Same seeds -> same scenes -> same tokenizer (as the checkpoint's) -> same token sequences."""
     import torch
 
-    from producer_tools.scenes import generate_scene
+    from worker.scenes import generate_scene
     from worker.demo import train
     from worker.demo.layout import build_tokenizer
 

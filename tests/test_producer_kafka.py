@@ -31,7 +31,7 @@ import schemas as S
 from producer_tools import publish as P
 from producer_tools import sink as K
 from producer_tools.common import KafkaOptions
-from producer_tools.scenes import generate_scene
+from worker.scenes import generate_scene
 
 from test_producer_tools import make_result  # shared builder
 

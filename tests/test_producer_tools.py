@@ -21,7 +21,7 @@ from producer_tools import dlq as D
 from producer_tools import publish as P
 from producer_tools import sink as K
 from producer_tools.common import KafkaOptions, ToolError, parse_size
-from producer_tools.scenes import generate_scene
+from worker.scenes import generate_scene
 
 KAFKA = KafkaOptions(bootstrap_servers="127.0.0.1:1", request_topic="req", result_topic="res",
                      dead_letter_topic="dlq")
@@ -219,7 +219,7 @@ def test_plan_requests_mixes(scene):
 
 
 def test_manifest_sources(tmp_path, scene):
-    from producer_tools.scenes import write_scene
+    from worker.scenes import write_scene
 
     write_scene(scene, tmp_path / "a.msgpack")
     imgs = []

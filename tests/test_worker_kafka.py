@@ -60,7 +60,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def scene():
-    from producer_tools.scenes import generate_scene
+    from worker.scenes import generate_scene
 
     return generate_scene(7)
 

@@ -57,7 +57,7 @@ def cmd_serve(_args) -> int:
 def scene_request(scene, task: str = "trajectory", k: int = 1, *, request_id: str | None = None,
                   temperature: float | None = None, seed: int | None = None, max_tokens: int | None = None,
                   question: str | None = None, quaternions: bool = False):
-    """An :class:`schemas.InferRequest` for one task of a synthetic scene (producer_tools.scenes.Scene)."""
+    """An :class:`schemas.InferRequest` for one task of a synthetic scene (worker.scenes.Scene)."""
     import schemas as S
 
     vqa = task == "vqa"
@@ -86,7 +86,7 @@ def cmd_run_scene(args) -> int:
     import time
 
     import schemas as S
-    from producer_tools.scenes import read_scene
+    from worker.scenes import read_scene
 
     settings = _settings_or_exit()
     _logging(settings.log_level)
@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("serve", help="consume scene jobs from Kafka and publish results (one process per GPU)")
     rs = sub.add_parser("run-scene", help="run one scene file end to end through the engine and print the result")
-    rs.add_argument("path", help="scene file (producer_tools.scenes.write_scene)")
+    rs.add_argument("path", help="scene file (worker.scenes.write_scene)")
     rs.add_argument("--task", default="trajectory",
                     choices=["trajectory", "meta_action", "auto_labeling", "vqa", "grounding"])
     rs.add_argument("--k", type=int, default=1, help="num_traj_samples (default 1)")

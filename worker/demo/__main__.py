@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 def _plot(items, results, path: Path) -> None:
     import numpy as np
 
-    from producer_tools.scenes import bev_plot, generate_scene
+    from worker.scenes import bev_plot, generate_scene
 
     scenes, preds = [], []
     for r, _ in results.values():

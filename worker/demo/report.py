@@ -179,8 +179,8 @@ def format_table(q: dict) -> str:
 
 def write_bev(directory: Path, scenes: Sequence, preds: Sequence, n_plot: int = 6) -> Path:
     """bev.png: bird's-eye plots of the first few held-out scenes (history, planner future,
-    predicted samples), drawn by `producer_tools.scenes.bev_plot`."""
-    from producer_tools.scenes import bev_plot
+    predicted samples), drawn by `worker.scenes.bev_plot`."""
+    from worker.scenes import bev_plot
 
     pick = [i for i, p in enumerate(preds) if p is not None][:n_plot]
     return bev_plot([scenes[i] for i in pick], [preds[i] for i in pick], Path(directory) / "bev.png")

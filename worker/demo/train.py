@@ -1,6 +1,6 @@
 """Joint teacher-forced training of the demo model on synthetic scenes (VLM + action expert).
 
-The training data pipeline turns a synthetic scene (``producer_tools.scenes.Scene``) into one
+The training data pipeline turns a synthetic scene (``worker.scenes.Scene``) into one
 example per task. The prompt of each example is built by the runtime itself
 (``AlpamayoRuntime._prepare`` on a ``SceneRequest``), so training sees exactly the token ids,
 3-D rotary positions and pixel grids inference sees; the assistant target follows it:

@@ -187,7 +187,7 @@ def demo_requests(seeds, k: int = 1, temperature: float = 0.0):
 
     from PIL import Image
 
-    from producer_tools.scenes import generate_scene
+    from worker.scenes import generate_scene
     from worker.model.inputs import CAMERA_IDS_BY_NAME
     from worker.model.runtime import SceneRequest
 
