@@ -1396,7 +1396,7 @@ class Pipeline:
     def _lake_figures(self) -> None:
         from producer_tools.audit import audit_run
         from producer_tools.publish import RunManifest
-        from producer_tools.sink import read_lake
+        from producer_tools.lake import read_lake
 
         f = self.fig
         cols = ["request_id", "kafka_topic", "kafka_partition", "kafka_offset"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["main", "scene_request"]
+__all__ = ["main"]
 
 PROG = "alpamayo-worker"
 
@@ -54,39 +54,13 @@ def cmd_serve(_args) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def scene_request(scene, task: str = "trajectory", k: int = 1, *, request_id: str | None = None,
-                  temperature: float | None = None, seed: int | None = None, max_tokens: int | None = None,
-                  question: str | None = None, quaternions: bool = False):
-    """An :class:`schemas.InferRequest` for one task of a synthetic scene (worker.scenes.Scene)."""
-    import schemas as S
-
-    vqa = task == "vqa"
-    images = list(scene.vqa_images if vqa else scene.images)
-    order = list(scene.vqa_camera_order if vqa else scene.camera_order)
-    ego = S.Egomotion(ego_history_xyz=scene.ego_history_xyz, ego_history_rot=scene.ego_history_rot)
-    fut = None
-    if task == "auto_labeling":
-        fut = S.FutureEgomotion(ego_future_xyz=scene.ego_future_xyz, ego_future_rot=scene.ego_future_rot)
-    if question is None and task in ("vqa", "grounding"):
-        text = scene.text
-        question = getattr(text, "vqa_question" if vqa else "grounding_question", None) or (
-            "What should the ego vehicle do next?" if vqa else "Find the lead vehicle and return its bounding box.")
-    if temperature is None:
-        temperature = 0.6 if k > 1 else 0.0
-    return S.InferRequest(
-        request_id=request_id or f"{scene.scene_id}-{task}-k{k}", task=task, images=images, camera_order=order,
-        num_frames_per_camera=len(images) // len(order),
-        egomotion=ego if task in S.TASKS_NEEDING_EGOMOTION else None, future_egomotion=fut,
-        num_traj_samples=k, temperature=temperature, seed=seed,
-        max_tokens=max_tokens if task != "trajectory" else None, question=question)
-
-
 def cmd_run_scene(args) -> int:
     import dataclasses
     import time
 
     import schemas as S
     from worker.scenes import read_scene
+    from worker.scenes.request import build_request
 
     settings = _settings_or_exit()
     _logging(settings.log_level)
@@ -96,7 +70,7 @@ def cmd_run_scene(args) -> int:
     from worker.intake import Intake, Job, RawRecord
 
     scene = read_scene(args.path)
-    req = scene_request(scene, args.task, args.k, temperature=args.temperature, seed=args.seed,
+    req = build_request(scene, args.task, args.k, temperature=args.temperature, seed=args.seed,
                         max_tokens=args.max_tokens, question=args.question)
     value, headers = S.encode_request(req)
     engine = Engine(settings)
