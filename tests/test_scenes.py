@@ -15,6 +15,8 @@ from PIL import Image
 from worker import scenes as S
 from worker.scenes.render import _COLORS, _LIGHT_RGB
 from worker.scenes.road import frenet
+from worker.scenes.request import (SceneInputError, SceneItem, build_request, runtime_frames, runtime_request,
+                                   scene_item)
 from worker.scenes.structs import ACCEL_MAX, ACCEL_MIN, CURVATURE_MAX, DT, EGO_FRONT, JERK_MAX, MIN_LEAD_CLEARANCE
 
 SEEDS = range(40)
@@ -418,6 +420,60 @@ def test_generation_speed_64px():
     per_scene = (time.process_time() - t0) / n
     print(f"64x64 scene: {per_scene * 1e3:.2f} ms CPU")
     assert per_scene < 0.020
+
+
+# ------------------------------------------------------------------------------------------
+# Scene -> request (worker/scenes/request.py)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task", ["trajectory", "meta_action", "auto_labeling", "vqa", "grounding"])
+def test_build_request_from_a_scene(scenes_64, task):
+    import schemas
+
+    sc = scenes_64[3]
+    req = build_request(sc, task, 1, max_tokens=8)
+    schemas.validate_request(req)
+    assert req.request_id == f"{sc.scene_id}-{task}-k1" and req.run_id is None and req.labels == {}
+    assert req.temperature == 0.0 and req.num_traj_samples == 1 and req.submitted_at is None
+    vqa = task == "vqa"
+    assert req.images == (sc.vqa_images if vqa else sc.images)
+    assert req.camera_order == (sc.vqa_camera_order if vqa else sc.camera_order)
+    assert req.num_frames_per_camera == 4
+    assert req.question == {"vqa": sc.text.vqa_question, "grounding": sc.text.grounding_question}.get(task)
+    assert (req.egomotion is not None) == (task in schemas.TASKS_NEEDING_EGOMOTION)
+    assert (req.future_egomotion is not None) == (task == "auto_labeling")
+    assert req.max_tokens == (None if task == "trajectory" else 8)
+
+
+def test_build_request_parameters_and_refusals(scenes_64):
+    sc = scenes_64[4]
+    k3 = build_request(sc, "trajectory", 3, seed=5)
+    assert k3.temperature == 0.6 and k3.seed == 5 and k3.request_id == f"{sc.scene_id}-trajectory-k3"
+    asked = build_request(sc, "vqa", question="Is it raining?", request_id="q-1", run_id="r", labels={"a": "b"},
+                          submitted_at=12.5, top_p=0.5)
+    assert (asked.question, asked.request_id, asked.run_id, asked.labels, asked.submitted_at, asked.top_p) == \
+        ("Is it raining?", "q-1", "r", {"a": "b"}, 12.5, 0.5)
+    assert build_request(scene_item(sc), "grounding") == build_request(sc, "grounding")
+    with pytest.raises(SceneInputError, match="unknown task"):
+        build_request(sc, "parking")
+    with pytest.raises(SceneInputError, match="needs ego history"):
+        build_request(SceneItem(scene_id="x", camera_order=None, num_frames=4, load_images=lambda: []), "trajectory")
+
+
+def test_runtime_request_is_the_decoded_request(scenes_64):
+    sc = scenes_64[5]
+    traj = runtime_request(sc, "trajectory", max_tokens=9)
+    assert traj.frames.shape == (24, 64, 64, 3) and traj.frames.dtype == np.uint8
+    assert traj.camera_ids == (0, 1, 2, 3, 5, 6) and traj.num_frames == 4 and traj.max_tokens is None
+    assert traj.request_id == f"{sc.scene_id}-trajectory" and traj.seed == 0 and traj.temperature == 0.0
+    assert np.array_equal(traj.ego_history_xyz, np.asarray(sc.ego_history_xyz, np.float32))
+    assert traj.frames[0].tobytes() == np.asarray(Image.open(io.BytesIO(sc.images[0])).convert("RGB")).tobytes()
+    vqa = runtime_request(sc, "vqa", num_samples=2, temperature=0.6, seed=3, max_tokens=9)
+    assert vqa.camera_ids == (0, 1, 2, 3, 4, 5) and vqa.question == sc.text.vqa_question and vqa.max_tokens == 9
+    assert (vqa.num_samples, vqa.temperature, vqa.seed) == (2, 0.6, 3)
+    frames = runtime_frames(sc)
+    assert runtime_request(sc, "meta_action", frames=frames).frames is frames[0]
 
 
 # ------------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ from worker.scenes.planner import plan_future
 from worker.scenes.render import front_box_norm
 from worker.scenes.road import desired_speed
 from worker.scenes.structs import (ACCEL_MAX, ACCEL_MIN, CROSSWALK_AFTER_STOP_LINE, CROSSWALK_MARGIN,
-                                   EGO_FRONT, MIN_LEAD_CLEARANCE, OtherVehicle, Plan, STOP_LINE_MARGIN,
-                                   SceneFacts, TIMES_OF_DAY, VEHICLE_COLORS, V_MAX, WEATHERS)
+                                   EGO_FRONT, MIN_LEAD_CLEARANCE, STOP_LINE_MARGIN, TIMES_OF_DAY,
+                                   VEHICLE_COLORS, V_MAX, WEATHERS, OtherVehicle, Plan, SceneFacts)
 
 
 def _r2(x: float) -> float:

@@ -9,8 +9,8 @@ import numpy as np
 from worker.scenes.facts import sample_facts
 from worker.scenes.planner import ego_history, yaw_rot
 from worker.scenes.render import lead_bbox, render_images
-from worker.scenes.structs import (CAMERA_NAMES, FRAME_OFFSETS_S, Scene, TRAJ_CAMERA_IDS, TaskDefaults,
-                                   VQA_CAMERA_IDS, VQA_QUESTIONS)
+from worker.scenes.structs import (CAMERA_NAMES, FRAME_OFFSETS_S, TRAJ_CAMERA_IDS, VQA_CAMERA_IDS,
+                                   VQA_QUESTIONS, Scene, TaskDefaults)
 from worker.scenes.text import scene_text
 
 

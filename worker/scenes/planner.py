@@ -8,8 +8,8 @@ from typing import Sequence
 
 from worker.scenes.road import arc_point, frenet, lane_change_geometry, smootherstep
 from worker.scenes.structs import (ACCEL_MAX, ACCEL_MIN, CROSSWALK_MARGIN, CURVATURE_MAX, DT, HISTORY_TIMES_S,
-                                   IDM_A, IDM_B, IDM_S0, IDM_T, JERK_MAX, LEAD_LENGTH, N_FUTURE, Plan,
-                                   STOP_LINE_MARGIN, STOP_ONSET, SceneFacts, YELLOW_STOP_DECEL)
+                                   IDM_A, IDM_B, IDM_S0, IDM_T, JERK_MAX, LEAD_LENGTH, N_FUTURE,
+                                   STOP_LINE_MARGIN, STOP_ONSET, YELLOW_STOP_DECEL, Plan, SceneFacts)
 
 
 def yaw_rot(th: float) -> list[list[float]]:

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from worker.scenes.structs import LANE_WIDTH, LAT_ACCEL_COMFORT, SceneFacts, V_MAX
+from worker.scenes.structs import LANE_WIDTH, LAT_ACCEL_COMFORT, V_MAX, SceneFacts
 
 
 def arc_point(k: float, s: float, d: float) -> tuple[float, float]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from worker.scenes.structs import GROUNDING_QUESTION, Plan, SceneFacts, SceneText, VQA_QUESTIONS
+from worker.scenes.structs import GROUNDING_QUESTION, VQA_QUESTIONS, Plan, SceneFacts, SceneText
 
 
 def _light_sentence(f: SceneFacts, p: Plan) -> str:
