@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 
+@dataclass
 class Figures:
     scenario: str
     guarantee: str

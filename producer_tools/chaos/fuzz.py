@@ -8,6 +8,7 @@ import math
 import os
 import struct
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -19,6 +20,7 @@ from worker.scenes import generate_scene
 from worker.scenes.request import build_request
 
 
+@dataclass
 class FuzzCase:
     """One message to send. ``expected``: the dead-letter codes the worker may answer with; None
     for a good message (a result is expected)."""
