@@ -3,7 +3,7 @@
 #   make venv         Python venv outside the clone, keyed by pyproject.toml + requirements.lock
 #   make kafka-jars   Apache Kafka jars from Maven Central into the cache (deploy/local/pom.xml)
 #   make test         venv + jars + pytest (the tests start and stop their own local Kafka)
-#   make demo         venv + jars + python -m worker.demo
+#   make demo         venv + jars + python -m producer_tools.demo
 #   make kafka-start  local Kafka "dev" (KAFKA_ARGS="--nodes 3 --security sasl_ssl" ...)
 #   make kafka-stop
 #   make clean-cache  stop local clusters, delete $(ALPAMAYO_CACHE)
@@ -63,7 +63,7 @@ test: venv kafka-jars
 	exit $$rc
 
 demo: venv kafka-jars
-	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" "$(VPY)" -m worker.demo
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" "$(VPY)" -m producer_tools.demo
 
 kafka-start: kafka-jars
 	@"$(PYTHON)" -m deploy.local.cluster start $(KAFKA_ARGS)

@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from producer_tools.common import ToolError
-from producer_tools.publish import RunManifest
-from producer_tools.sink import read_lake
+from producer_tools.lake import read_lake
+from producer_tools.run_manifest import RunManifest
 
 __all__ = ["AuditReport", "audit_run", "reconcile", "format_report"]
 

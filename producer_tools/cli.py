@@ -30,7 +30,13 @@ import logging
 import sys
 from typing import Any, Sequence
 
+import schemas as S
 from producer_tools.common import ToolError, die, kafka_options, parse_size
+from worker import log_filter
+from worker.config import ConfigError
+
+# Each command imports its own module when it runs, so that ``--help`` and the light commands do
+# not load the heavy optional dependencies: pyarrow (sink, audit, dlq, report), torch (qualify).
 
 TASK_CHOICES = ("trajectory", "meta_action", "auto_labeling", "vqa", "grounding")
 
@@ -111,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # -- publish -----------------------------------------------------------------------------
     pp = sub.add_parser("publish", help="publish scene jobs of a run to the request topic",
-                        description="Publish InferRequests; see producer_tools/publish.py for the manifest format.")
+                        description="Publish InferRequests; see producer_tools/scene_sources.py for the manifest format.")
     src = pp.add_mutually_exclusive_group(required=True)
     src.add_argument("--scenes-dir", help="directory of *.msgpack scene files")
     src.add_argument("--manifest", help="JSONL or Parquet manifest of scenes")
@@ -265,18 +271,18 @@ def cmd_topics(args) -> int:
 
 
 def cmd_publish(args) -> int:
-    import schemas as S
     from producer_tools import publish as P
+    from producer_tools.scene_sources import iter_manifest, iter_scene_dir, iter_synthetic
 
     kafka = _kafka(args)
     if args.scenes_dir:
-        total, items = P.iter_scene_dir(args.scenes_dir)
+        total, items = iter_scene_dir(args.scenes_dir)
         source = f"scenes-dir:{args.scenes_dir}"
     elif args.manifest:
-        total, items = P.iter_manifest(args.manifest)
+        total, items = iter_manifest(args.manifest)
         source = f"manifest:{args.manifest}"
     else:
-        total, items = P.iter_synthetic(args.synthetic, args.seed, args.image_size, args.image_format)
+        total, items = iter_synthetic(args.synthetic, args.seed, args.image_size, args.image_format)
         source = f"synthetic:{args.synthetic}@{args.seed}:{args.image_size[0]}x{args.image_size[1]}:{args.image_format}"
     if not 1 <= args.k <= 16:
         die("--k must be in 1..16")
@@ -368,7 +374,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_scenes(args) -> int:
-    from producer_tools.scenes import write_scenes
+    from worker.scenes import write_scenes
 
     paths = write_scenes(args.out, args.n, args.seed, args.image_size, image_format=args.image_format)
     print(f"wrote {len(paths)} scene files to {args.out}")
@@ -385,10 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.verbose < 2:
         logging.getLogger("aiokafka").setLevel(max(level, logging.WARNING))
-        from worker import log_filter
         log_filter.install()
-    from worker.config import ConfigError
-
     try:
         return COMMANDS[args.command](args)
     except (ToolError, ConfigError) as exc:

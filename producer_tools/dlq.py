@@ -25,6 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+
 import schemas as S
 from producer_tools.common import KafkaOptions, ToolError, client_kwargs
 
@@ -66,7 +69,7 @@ def _item_from_dl(dl: S.DeadLetter, coords: str, key: bytes | None) -> DeadLette
 
 
 def from_lake(lake: str, run_id: str | None = None) -> list[DeadLetterItem]:
-    from producer_tools.sink import read_lake
+    from producer_tools.lake import read_lake  # pyarrow: heavy, only the --lake source needs it
 
     rows = read_lake(lake, "dead_letters", run_id=run_id).to_pylist()
     out = []
@@ -84,8 +87,6 @@ def from_lake(lake: str, run_id: str | None = None) -> list[DeadLetterItem]:
 
 
 async def _partitions(kafka: KafkaOptions, topic: str) -> list[int]:
-    from aiokafka.admin import AIOKafkaAdminClient
-
     admin = AIOKafkaAdminClient(**client_kwargs(kafka))
     await admin.start()
     try:
@@ -102,8 +103,6 @@ async def _partitions(kafka: KafkaOptions, topic: str) -> list[int]:
 
 async def from_topic(kafka: KafkaOptions, topic: str | None = None, timeout_s: float = 60.0) -> list[DeadLetterItem]:
     """Every decodable dead letter on the topic, up to the end offsets at start."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-
     topic = topic or kafka.dead_letter_topic
     consumer = AIOKafkaConsumer(**client_kwargs(kafka), group_id=None, enable_auto_commit=False,
                                 isolation_level="read_committed", max_partition_fetch_bytes=32 << 20)
@@ -186,8 +185,6 @@ def _replayed(runs_dir: str) -> set[str]:
 async def replay(kafka: KafkaOptions, items: Sequence[DeadLetterItem], *, to_topic: str | None = None,
                  runs_dir: str = "runs", force: bool = False, dry_run: bool = False) -> dict[str, Any]:
     """Re-publish the dead letters' original bytes; returns a summary."""
-    from aiokafka import AIOKafkaProducer
-
     topic = to_topic or kafka.request_topic
     done = set() if force else _replayed(runs_dir)
     summary: dict[str, Any] = {"topic": topic, "selected": len(items), "replayed": 0, "already_replayed": 0,

@@ -39,11 +39,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from producer_tools.common import ToolError, percentile
-from schemas import CAMERA_IDS_BY_NAME, TASKS as ALL_TASKS
+from schemas import TASKS as ALL_TASKS
+from worker.scenes import bev_plot, generate_scene, read_scene
+from worker.scenes.request import runtime_request
 
-__all__ = ["QualifyOptions", "qualify", "scene_to_request", "format_table", "random_head"]
+__all__ = ["QualifyOptions", "qualify", "format_table", "random_head"]
 
 
 @dataclass
@@ -76,33 +79,9 @@ class QualifyOptions:
 # --------------------------------------------------------------------------------------------
 
 
-def scene_to_request(scene, task: str, *, k: int = 1, temperature: float = 0.0, seed: int | None = None,
-                     max_tokens: int | None = None, request_id: str | None = None):
-    """The runtime's SceneRequest for a synthetic scene and a task (what the worker would build
-    from the published InferRequest)."""
-    from worker.engine import default_seed
-    from worker.model.inputs import decode_image
-    from worker.model.runtime import SceneRequest
-
-    vqa = task == "vqa"
-    images = scene.vqa_images if vqa else scene.images
-    names = scene.vqa_camera_order if vqa else scene.camera_order
-    frames = np.stack([decode_image(b) for b in images])
-    rid = request_id or f"{scene.scene_id}:{task}:k{k}"
-    f32 = lambda x: np.asarray(x, dtype=np.float32)  # noqa: E731
-    question = {"vqa": scene.text.vqa_question, "grounding": scene.text.grounding_question}.get(task)
-    return SceneRequest(
-        request_id=rid, task=task, frames=frames, camera_ids=tuple(CAMERA_IDS_BY_NAME[n] for n in names),
-        num_frames=len(scene.frame_offsets_s), ego_history_xyz=f32(scene.ego_history_xyz),
-        ego_history_rot=f32(scene.ego_history_rot), ego_future_xyz=f32(scene.ego_future_xyz),
-        ego_future_rot=f32(scene.ego_future_rot), num_samples=k, temperature=temperature,
-        seed=default_seed(rid) if seed is None else seed, max_tokens=max_tokens if task != "trajectory" else None,
-        question=question)
-
-
 def random_head(checkpoint: str | Path, out_dir: str | Path, seed: int = 1) -> Path:
     """An untrained DFlash2 head matching ``checkpoint`` (plumbing checks only)."""
-    from worker.dflash.draft import write_random_head
+    from worker.dflash.draft import write_random_head  # torch: heavy, only when a head is written
 
     return write_random_head(checkpoint, out_dir, seed, note="random head written by alpamayo-producer qualify")
 
@@ -111,7 +90,7 @@ def _resolve(opts: QualifyOptions) -> tuple[Path, Path, str]:
     if opts.checkpoint:
         ckpt = Path(opts.checkpoint)
     else:
-        try:
+        try:  # torch and the training code: heavy, only without --checkpoint
             from worker.demo.build import build_demo_checkpoint
         except ImportError as exc:
             raise ToolError(f"no --checkpoint and the demo checkpoint builder is unavailable ({exc})") from None
@@ -120,7 +99,7 @@ def _resolve(opts: QualifyOptions) -> tuple[Path, Path, str]:
         return ckpt, Path(opts.head), "custom"
     if opts.random_head:
         return ckpt, random_head(ckpt, Path(opts.out) / "random-head"), "random"
-    try:
+    try:  # torch and the training code: heavy, only without --head
         from worker.dflash.train import build_demo_head
     except ImportError as exc:
         raise ToolError(f"no --head and the demo head builder is unavailable ({exc}); "
@@ -129,8 +108,6 @@ def _resolve(opts: QualifyOptions) -> tuple[Path, Path, str]:
 
 
 def _load_scenes(opts: QualifyOptions) -> list:
-    from producer_tools.scenes import generate_scene, read_scene
-
     if opts.scenes_dir:
         paths = sorted(Path(opts.scenes_dir).glob("*.msgpack"))[: opts.scenes]
         if not paths:
@@ -166,7 +143,7 @@ class Measurement:
 
 
 def _timed(rt, req, device) -> tuple[Any, float]:
-    import torch
+    import torch  # heavy: loaded only when a qualification runs
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -265,12 +242,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _plots(out: Path, rows: list[dict], ms: list[Measurement], scenes: list, preds: dict[str, dict]) -> dict[str, str]:
-    import matplotlib
+    import matplotlib  # heavy optional dependency: only the plots need it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from producer_tools.scenes import bev_plot
 
     paths = {}
     tasks = [r["task"] for r in rows]
@@ -341,11 +316,12 @@ def _plots(out: Path, rows: list[dict], ms: list[Measurement], scenes: list, pre
 
 def qualify(opts: QualifyOptions) -> dict[str, Any]:
     """Run the qualification; returns the summary (also written to ``out``)."""
+    # torch and the runtime: heavy, loaded only when a qualification runs (not for --help)
     import torch
-    from tqdm import tqdm
 
     from worker.dflash.loop import DFlash2Speculator
     from worker.dflash.metrics import speculative_block
+    from worker.engine import default_seed
     from worker.model.runtime import AlpamayoRuntime
 
     for t in opts.tasks:
@@ -381,9 +357,10 @@ def qualify(opts: QualifyOptions) -> dict[str, Any]:
     warmup_ms: dict[str, dict[str, float]] = {}
     try:
         for task in opts.tasks:
-            mk = lambda sc, tag="": scene_to_request(  # noqa: E731
-                sc, task, k=opts.k, temperature=opts.temperature, max_tokens=opts.max_tokens,
-                request_id=f"{sc.scene_id}:{task}:k{opts.k}{tag}")
+            def mk(sc, tag=""):
+                rid = f"{sc.scene_id}:{task}:k{opts.k}{tag}"
+                return runtime_request(sc, task, request_id=rid, num_samples=opts.k, temperature=opts.temperature,
+                                       seed=default_seed(rid), max_tokens=opts.max_tokens)
             warm = mk(scenes[0], ":warmup")
             warmup_ms[task] = {p: run(p, warm)[1] for p in ("baseline", "dflash2")}   # untimed warm-up
             for rep in range(opts.repeats):

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from producer_tools.common import percentile
-from producer_tools.sink import read_lake
+from producer_tools.lake import read_lake
 
 __all__ = ["summarise_lake", "lake_report"]
 
@@ -82,7 +82,7 @@ def _markdown(s: dict[str, Any], plots: dict[str, str]) -> str:
 
 
 def lake_report(lake: str, out: str, run_id: str | None = None, window: int = 20) -> dict[str, Any]:
-    import matplotlib
+    import matplotlib  # heavy optional dependency: only the plots need it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

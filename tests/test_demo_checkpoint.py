@@ -99,20 +99,20 @@ def test_recorded_build_budget(quality):
 # ---------------------------------------------------------------- the real inference path
 
 def test_heldout_scene_reasoning_names_the_light(quality, runtime):
-    from producer_tools.scenes import generate_scene
-    from worker.demo.train import scene_request
+    from worker.scenes import generate_scene
+    from worker.scenes.request import runtime_request
 
     seed = next(s for s in quality["build"]["heldout_scene_seeds"]
                 if generate_scene(s).facts.traffic_light != "none")
     scene = generate_scene(seed)
-    [res] = runtime.run([scene_request(scene, "trajectory", num_samples=1, temperature=0.0)])
+    [res] = runtime.run([runtime_request(scene, "trajectory", num_samples=1, temperature=0.0)])
     assert res.error is None
     assert light_state_named(res.texts[0]) == scene.facts.traffic_light, res.texts[0]
     assert res.trajectories.shape == (1, 64, 3) and np.isfinite(res.trajectories).all()
 
 
 def test_report_parsers_read_generator_text():
-    from producer_tools.scenes import generate_scene
+    from worker.scenes import generate_scene
 
     for seed in range(30):
         s = generate_scene(seed)
@@ -169,9 +169,10 @@ def test_training_data_pipeline_is_deterministic(ckpt, runtime, quality):
     """Same seeds -> same scenes -> same tokenizer (as the checkpoint's) -> same token sequences."""
     import torch
 
-    from producer_tools.scenes import generate_scene
     from worker.demo import train
     from worker.demo.layout import build_tokenizer
+    from worker.scenes import generate_scene
+    from worker.scenes.request import runtime_request
 
     seeds = build.train_seeds(0)
     assert [seeds[0], seeds[-1]] == quality["build"]["train_scene_seeds"]
@@ -193,7 +194,7 @@ def test_training_data_pipeline_is_deterministic(ckpt, runtime, quality):
             assert x.input_ids[x.offset - 1] == runtime.ids.traj_future_start
     # the prompt part is exactly what inference builds
     traj = a[0]
-    p = runtime._prepare(train.scene_request(few[0], "trajectory"))
+    p = runtime._prepare(runtime_request(few[0], "trajectory"))
     assert torch.equal(traj.input_ids[:traj.prompt_len], p.input_ids)
     assert runtime.tok.decode(traj.target_ids.tolist(), skip_special_tokens=False) == \
         train.target_text(few[0], "trajectory")

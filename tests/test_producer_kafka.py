@@ -28,10 +28,13 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 import schemas as S
+from producer_tools import claim_check as CC
+from producer_tools import lake as LK
 from producer_tools import publish as P
-from producer_tools import sink as K
 from producer_tools.common import KafkaOptions
-from producer_tools.scenes import generate_scene
+from producer_tools.scene_sources import iter_synthetic
+from worker.scenes import generate_scene
+from worker.scenes.request import scene_item
 
 from test_producer_tools import make_result  # shared builder
 
@@ -106,21 +109,21 @@ async def test_claim_check_round_trip_of_a_scene_larger_than_1mib(kafka_bootstra
     store = tmp_path / "objects"
     opts = P.PublishOptions(tasks=["trajectory", "vqa"], run_id="cc-run", runs_dir=str(tmp_path / "runs"),
                             object_store=f"file://{store}", progress=False)
-    summary = await P.publish(kafka, [P.scene_item(scene)], opts)
+    summary = await P.publish(kafka, [scene_item(scene)], opts)
     assert summary["published"] == 2 and summary["claim_checked"] == 2 and summary["image_refs"] > 0
     records = await _consume_all(kafka_bootstrap, topic, 2)
     by_task = {}
     for rec in records:
-        assert len(rec.value) <= P.DEFAULT_CLAIM_CHECK_THRESHOLD
+        assert len(rec.value) <= CC.DEFAULT_CLAIM_CHECK_THRESHOLD
         req = S.decode_request(rec.value, list(rec.headers), k_values=[1])
         assert rec.key == req.request_id.encode() and req.run_id == "cc-run"
         refs = [im for im in req.images if isinstance(im, S.ImageRef)]
         assert refs and all(r.uri.startswith(f"file://{store}/") for r in refs)
-        by_task[req.task] = P.resolve_images(req)                # fetch + size/SHA-256 check
+        by_task[req.task] = CC.resolve_images(req)                # fetch + size/SHA-256 check
     assert by_task["trajectory"] == scene.images
     assert by_task["vqa"] == scene.vqa_images
     # resumable: the same run again publishes nothing new
-    again = await P.publish(kafka, [P.scene_item(scene)], opts)
+    again = await P.publish(kafka, [scene_item(scene)], opts)
     assert again["published"] == 0 and again["skipped"] == 2 and again["resumed"]
 
 
@@ -149,7 +152,7 @@ async def _produce_results(bootstrap: str, topic: str, n: int, runs=("ra", "rb",
 
 
 def _segment_files(lake: Path) -> list[Path]:
-    return [p for p in lake.rglob("*.parquet") if K.parse_segment_file_name(p.name)]
+    return [p for p in lake.rglob("*.parquet") if LK.parse_segment_file_name(p.name)]
 
 
 async def _kill_after_files(proc: subprocess.Popen, lake: Path, n_files: int, timeout: float = 60.0) -> int:
@@ -181,22 +184,22 @@ async def test_sink_sigkill_mid_run_and_restart_lands_every_row_exactly_once(kaf
     # 2nd run: other rotation size; killed again mid-run
     p2 = _cli(*base, "--rotate-rows", "4", "--debug-pause", "0.1", "--until-idle", "20")
     files2 = await _kill_after_files(p2, lake, files1 + 6)
-    rows_before = K.read_lake(lake, "results").num_rows
+    rows_before = LK.read_lake(lake, "results").num_rows
     assert rows_before < n, "the kills did not land mid-run"
     # 3rd run: to the end
     p3 = _cli(*base, "--rotate-rows", "8", "--until-idle", "3")
     out, err = p3.communicate(timeout=120)
     assert p3.returncode == 0, err.decode()[-3000:]
     stats = json.loads(out)
-    tbl = K.read_lake(lake, "results", columns=["request_id", "kafka_partition", "kafka_offset", "run_id"])
+    tbl = LK.read_lake(lake, "results", columns=["request_id", "kafka_partition", "kafka_offset", "run_id"])
     got = list(zip(tbl.column("kafka_partition").to_pylist(), tbl.column("kafka_offset").to_pylist()))
     assert len(got) == n, f"{len(got)} rows for {n} records"                  # none missing, none twice
     assert sorted(got) == sorted(coords.values())
     assert sorted(tbl.column("request_id").to_pylist()) == sorted(coords)
     assert all(rid.startswith(run + ":") for rid, run in zip(tbl.column("request_id").to_pylist(),
                                                               tbl.column("run_id").to_pylist()))
-    for (topic, part), ranges in K.scan_ranges(lake, "results").items():
-        K.check_ranges(topic, part, ranges)                                     # no overlapping segments
+    for (topic, part), ranges in LK.scan_ranges(lake, "results").items():
+        LK.check_ranges(topic, part, ranges)                                     # no overlapping segments
     assert stats["replayed_segments"] >= 1 and stats["files_skipped"] >= 1, stats
     assert not [p for p in lake.rglob("*") if ".tmp-" in p.name]
     assert files2 > files1
@@ -276,11 +279,11 @@ async def test_mixed_run_through_worker_sink_and_audit_is_complete(kafka_bootstr
         n_scenes = 3
         opts = P.PublishOptions(tasks=list(S.TASKS), mix="all", run_id=run_id, runs_dir=str(runs), max_tokens=4,
                                 object_store=f"file://{store}", claim_check_threshold=20_000, progress=False)
-        _, items = P.iter_synthetic(n_scenes, seed=40)
+        _, items = iter_synthetic(n_scenes, seed=40)
         s1 = await P.publish(kafka, items, opts)
         assert s1["published"] == n_scenes * 5 and 0 < s1["claim_checked"] < s1["published"]
         # one request of the same run the deployment cannot serve (K=2, served K is 1) -> dead letter
-        _, items = P.iter_synthetic(1, seed=40)
+        _, items = iter_synthetic(1, seed=40)
         s2 = await P.publish(kafka, items, P.PublishOptions(tasks=["trajectory"], k=2, temperature=0.6,
                                                             run_id=run_id, runs_dir=str(runs), progress=False))
         assert s2["published"] == 1 and s2["resumed"]
@@ -305,12 +308,12 @@ async def test_mixed_run_through_worker_sink_and_audit_is_complete(kafka_bootstr
         assert rep.failed == [bad_id] and rep.failed_codes == {"k_not_served": 1}
         assert rep.lake_duplicates == [] and rep.duplicated == {} and rep.unexpected == []
         assert main(["audit", run_id, "--lake", str(lake), "--runs-dir", str(runs)]) == 0
-        results = K.read_lake(lake, "results", run_id=run_id)
+        results = LK.read_lake(lake, "results", run_id=run_id)
         assert sorted(set(results.column("task").to_pylist())) == sorted(S.TASKS)
         traj = [r for r in results.to_pylist() if r["task"] == "trajectory"]
         assert all(len(r["pred_trajectories"]) == 1 and len(r["pred_trajectories"][0]) == 64 for r in traj)
         assert all(r["worker_id"] == "w-e2e" and r["request_topic"] == req_t for r in results.to_pylist())
-        dls = K.read_lake(lake, "dead_letters", run_id=run_id).to_pylist()
+        dls = LK.read_lake(lake, "dead_letters", run_id=run_id).to_pylist()
         assert [(d["request_id"], d["error_code"], d["error_field"]) for d in dls] == \
             [(bad_id, "k_not_served", "$.num_traj_samples")]
 

@@ -17,11 +17,16 @@ import pytest
 
 import schemas as S
 from producer_tools import audit as A
+from producer_tools import claim_check as CC
 from producer_tools import dlq as D
+from producer_tools import lake as LK
 from producer_tools import publish as P
 from producer_tools import sink as K
 from producer_tools.common import KafkaOptions, ToolError, parse_size
-from producer_tools.scenes import generate_scene
+from producer_tools.run_manifest import RunManifest
+from producer_tools.scene_sources import iter_manifest
+from worker.scenes import generate_scene
+from worker.scenes.request import scene_item
 
 KAFKA = KafkaOptions(bootstrap_servers="127.0.0.1:1", request_topic="req", result_topic="res",
                      dead_letter_topic="dlq")
@@ -161,7 +166,7 @@ async def _sink_pass(lake: Path, records: list[Rec], consumer: FakeConsumer, rot
 
 
 def _lake_offsets(lake: Path, table: str = "results") -> list[int]:
-    return sorted(K.read_lake(lake, table, columns=["kafka_offset"]).column("kafka_offset").to_pylist())
+    return sorted(LK.read_lake(lake, table, columns=["kafka_offset"]).column("kafka_offset").to_pylist())
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,8 +181,8 @@ def scene():
 
 @pytest.mark.parametrize("task", S.TASKS)
 def test_build_request_per_task_is_valid(scene, task):
-    item = P.scene_item(scene)
-    req = P.build_request(item, task, 1, "run-x", max_tokens=8)
+    item = scene_item(scene)
+    req = P.run_request(item, task, 1, "run-x", max_tokens=8)
     S.validate_request(req)
     assert req.request_id == f"run-x:{scene.scene_id}:{task}:k1"
     assert req.run_id == "run-x" and req.labels["scene_id"] == scene.scene_id
@@ -197,7 +202,7 @@ def test_build_request_per_task_is_valid(scene, task):
 
 
 def test_build_request_k_and_sampling(scene):
-    req = P.build_request(P.scene_item(scene), "trajectory", 3, "r", seed=5)
+    req = P.run_request(scene_item(scene), "trajectory", 3, "r", seed=5)
     assert req.num_traj_samples == 3 and req.temperature == 0.6 and req.seed == 5
     S.validate_request(req, k_values=[1, 3])
 
@@ -211,7 +216,7 @@ def test_request_ids_are_stable_and_checked():
 
 
 def test_plan_requests_mixes(scene):
-    items = [P.scene_item(generate_scene(i)) for i in range(3)]
+    items = [scene_item(generate_scene(i)) for i in range(3)]
     allp = [(it.scene_id, t) for it, t in P.plan_requests(items, ["trajectory", "vqa"], "all")]
     assert len(allp) == 6 and allp[:2] == [(items[0].scene_id, "trajectory"), (items[0].scene_id, "vqa")]
     rr = [t for _, t in P.plan_requests(items, ["trajectory", "vqa"], "round-robin")]
@@ -219,7 +224,7 @@ def test_plan_requests_mixes(scene):
 
 
 def test_manifest_sources(tmp_path, scene):
-    from producer_tools.scenes import write_scene
+    from worker.scenes import write_scene
 
     write_scene(scene, tmp_path / "a.msgpack")
     imgs = []
@@ -232,17 +237,17 @@ def test_manifest_sources(tmp_path, scene):
              "labels": {"city": "x"}, "task": "trajectory"}]
     man = tmp_path / "m.jsonl"
     man.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    n, items = P.iter_manifest(man)
+    n, items = iter_manifest(man)
     pairs = list(P.plan_requests(items, ["grounding"]))
     assert n == 2 and [t for _, t in pairs] == ["trajectory", "vqa", "trajectory"]
-    raw = P.build_request(pairs[2][0], "trajectory", 1, "r")
+    raw = P.run_request(pairs[2][0], "trajectory", 1, "r")
     S.validate_request(raw)
     assert raw.images == scene.images and raw.labels == {"scene_id": "raw-1", "city": "x"}
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     pq.write_table(pa.Table.from_pylist([{"scene_path": str(tmp_path / "a.msgpack")}]), tmp_path / "m.parquet")
-    n, items = P.iter_manifest(tmp_path / "m.parquet")
+    n, items = iter_manifest(tmp_path / "m.parquet")
     assert n == 1 and next(items).scene_id == scene.scene_id
 
 
@@ -252,17 +257,17 @@ def test_manifest_sources(tmp_path, scene):
 
 
 def test_claim_check_below_threshold_stays_inline(scene, tmp_path):
-    req = P.build_request(P.scene_item(scene), "trajectory", 1, "r")
-    value, headers, sent, moved = P.encode_with_claim_check(req, 1 << 20, P.ObjectStore(tmp_path))
+    req = P.run_request(scene_item(scene), "trajectory", 1, "r")
+    value, headers, sent, moved = CC.encode_with_claim_check(req, 1 << 20, CC.ObjectStore(tmp_path))
     assert moved == 0 and sent is req and not any(tmp_path.rglob("*.png"))
 
 
 def test_claim_check_threshold_and_sha(scene, tmp_path):
-    req = P.build_request(P.scene_item(scene), "auto_labeling", 1, "r")
+    req = P.run_request(scene_item(scene), "auto_labeling", 1, "r")
     full = len(S.encode_request(req)[0])
     threshold = full - sum(map(len, req.images)) // 3                  # about a third of the images must move
-    store = P.ObjectStore(f"file://{tmp_path}/store")
-    value, headers, sent, moved = P.encode_with_claim_check(req, threshold, store)
+    store = CC.ObjectStore(f"file://{tmp_path}/store")
+    value, headers, sent, moved = CC.encode_with_claim_check(req, threshold, store)
     size = len(value) + len(S.request_key(req)) + sum(len(k) + len(v) for k, v in headers)
     assert size <= threshold < full
     refs = [im for im in sent.images if isinstance(im, S.ImageRef)]
@@ -276,26 +281,26 @@ def test_claim_check_threshold_and_sha(scene, tmp_path):
         else:
             assert im == req.images[i]
     decoded = S.decode_request(value, headers)
-    assert P.resolve_images(decoded) == list(req.images)
+    assert CC.resolve_images(decoded) == list(req.images)
     # content addressed and idempotent: a second pass writes nothing new
     files = sorted(p.name for p in tmp_path.rglob("*.png"))
-    P.encode_with_claim_check(req, threshold, store)
+    CC.encode_with_claim_check(req, threshold, store)
     assert sorted(p.name for p in tmp_path.rglob("*.png")) == files
     assert not [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]
 
 
 def test_claim_check_needs_a_store_and_detects_tampering(scene, tmp_path):
-    req = P.build_request(P.scene_item(scene), "trajectory", 1, "r")
+    req = P.run_request(scene_item(scene), "trajectory", 1, "r")
     with pytest.raises(ToolError, match="object-store"):
-        P.encode_with_claim_check(req, 1000, None)
-    _, _, sent, _ = P.encode_with_claim_check(req, 10_000, P.ObjectStore(tmp_path))
+        CC.encode_with_claim_check(req, 1000, None)
+    _, _, sent, _ = CC.encode_with_claim_check(req, 10_000, CC.ObjectStore(tmp_path))
     ref = next(im for im in sent.images if isinstance(im, S.ImageRef))
     Path(ref.uri[len("file://"):]).write_bytes(b"\x89PNG tampered")
     with pytest.raises(S.ContractError) as ei:
-        P.resolve_images(sent)
+        CC.resolve_images(sent)
     assert ei.value.code == S.ErrorCode.CLAIM_CHECK_FAILED
     with pytest.raises(ToolError, match="still above"):
-        P.encode_with_claim_check(req, 100, P.ObjectStore(tmp_path))
+        CC.encode_with_claim_check(req, 100, CC.ObjectStore(tmp_path))
 
 
 def test_parse_size():
@@ -308,7 +313,7 @@ def test_parse_size():
 
 
 def test_run_manifest_resume_and_torn_line(tmp_path):
-    m = P.RunManifest.for_run(tmp_path, "run-1")
+    m = RunManifest.for_run(tmp_path, "run-1")
     assert not m.exists
     m.open({"run_id": "run-1"})
     for i in range(3):
@@ -316,13 +321,13 @@ def test_run_manifest_resume_and_torn_line(tmp_path):
     m.close()
     with open(m.path, "a") as f:
         f.write('{"kind":"published","request_id":"run-1:s9')        # crash mid-line
-    m2 = P.RunManifest.for_run(tmp_path, "run-1")
+    m2 = RunManifest.for_run(tmp_path, "run-1")
     assert m2.exists and m2.run_id == "run-1"
     assert m2.published_ids() == {f"run-1:s{i}:trajectory:k1" for i in range(3)}
     m2.open({"run_id": "ignored"})
     m2.append({"request_id": "run-1:s3:trajectory:k1", "partition": 0, "offset": 3})
     m2.close()
-    m3 = P.RunManifest.for_run(tmp_path, "run-1")
+    m3 = RunManifest.for_run(tmp_path, "run-1")
     assert len(m3.published_ids()) == 4
     assert sum(1 for line in m3.path.read_text().splitlines() if '"session"' in line) == 2
 
@@ -333,18 +338,18 @@ def test_run_manifest_resume_and_torn_line(tmp_path):
 
 
 def test_segment_file_names_are_deterministic():
-    name = K.segment_file_name("alpamayo.results", 3, 120, 239)
+    name = LK.segment_file_name("alpamayo.results", 3, 120, 239)
     assert name == "alpamayo.results+3+120-239.parquet"
-    assert K.parse_segment_file_name(name) == ("alpamayo.results", 3, 120, 239)
-    assert K.parse_segment_file_name(".alpamayo.results+3+1-2.parquet.tmp-1-ab") is None
-    assert K.parse_segment_file_name("x+1+5.parquet") is None
+    assert LK.parse_segment_file_name(name) == ("alpamayo.results", 3, 120, 239)
+    assert LK.parse_segment_file_name(".alpamayo.results+3+1-2.parquet.tmp-1-ab") is None
+    assert LK.parse_segment_file_name("x+1+5.parquet") is None
     with pytest.raises(ValueError):
-        K.segment_file_name("a/b", 0, 1, 2)
+        LK.segment_file_name("a/b", 0, 1, 2)
     with pytest.raises(ValueError):
-        K.segment_file_name("t", 0, 5, 4)
-    assert K.hive_dir("/lake", "results", "run-1:a", "2025-01-02") == \
+        LK.segment_file_name("t", 0, 5, 4)
+    assert LK.hive_dir("/lake", "results", "run-1:a", "2025-01-02") == \
         Path("/lake/results/run_id=run-1%3Aa/date=2025-01-02")
-    assert K.hive_dir("/lake", "results", None, "2025-01-02").parent.name == f"run_id={K.NULL_PARTITION}"
+    assert LK.hive_dir("/lake", "results", None, "2025-01-02").parent.name == f"run_id={LK.NULL_PARTITION}"
 
 
 def test_result_and_dead_letter_rows_fit_the_fixed_schemas():
@@ -358,7 +363,7 @@ def test_result_and_dead_letter_rows_fit_the_fixed_schemas():
     run, bad = K.result_row(Rec("res", 0, 9, 1_700_000_000_000, b"key-9", b"\xc1", ((S.HEADER_RUN_ID, b"r"),)))
     assert run == "r" and bad["request_id"] == "key-9" and "undecodable_bytes" in bad["decode_error"]
     tbl = K.rows_to_table(rows + [bad], "results")
-    assert tbl.schema == K.RESULT_SCHEMA
+    assert tbl.schema == LK.RESULT_SCHEMA
     traj = tbl.column("pred_trajectories")[0].as_py()
     assert len(traj) == 2 and len(traj[0]) == 64 and len(traj[0][0]) == 3
     assert tbl.column("spec_draft_acceptance_rate")[0].as_py() == pytest.approx(20 / 70)
@@ -368,7 +373,7 @@ def test_result_and_dead_letter_rows_fit_the_fixed_schemas():
     v, h = S.encode_dead_letter(dl)
     run, row = K.dead_letter_row(Rec("dlq", 1, 4, 1_700_000_000_000, b"r:x", v, tuple(h)))
     t = K.rows_to_table([row], "dead_letters")
-    assert t.schema == K.DEAD_LETTER_SCHEMA
+    assert t.schema == LK.DEAD_LETTER_SCHEMA
     assert t.column("error_code")[0].as_py() == "inference_failed" and t.column("retryable")[0].as_py()
     assert t.column("original_value")[0].as_py() == dl.original_value
 
@@ -378,14 +383,14 @@ async def test_sink_rotates_by_rows_per_partition_and_names_files_by_offsets(tmp
     consumer = FakeConsumer()
     sink = await _sink_pass(tmp_path, recs, consumer, rotate_rows=6)
     names = sorted({p.name for p in tmp_path.rglob("*.parquet")},
-                   key=lambda n: K.parse_segment_file_name(n)[2])
+                   key=lambda n: LK.parse_segment_file_name(n)[2])
     offs = [r.offset for r in recs]
-    want = [K.segment_file_name("res", 0, offs[i], offs[min(i + 5, 19)]) for i in range(0, 20, 6)]
+    want = [LK.segment_file_name("res", 0, offs[i], offs[min(i + 5, 19)]) for i in range(0, 20, 6)]
     assert names == want
     assert consumer.committed_offsets[_tp()] == offs[-1] + 1
     assert _lake_offsets(tmp_path) == offs
     assert sink.stats["rows_written"] == 20 and sink.stats["files_written"] == 3 * 3 + 2   # 3 runs per segment, 2 in the last
-    t = K.read_lake(tmp_path, "results", run_id="runB")
+    t = LK.read_lake(tmp_path, "results", run_id="runB")
     assert t.num_rows == 7 and set(t.column("run_id").to_pylist()) == {"runB"}
 
 
@@ -408,8 +413,8 @@ async def test_sink_crash_and_restart_never_duplicates_or_loses_rows(tmp_path, m
     after = _lake_offsets(tmp_path)
     assert after == [r.offset for r in recs]                              # no duplicate, none missing
     assert restart.committed_offsets[tp] == recs[-1].offset + 1
-    ranges = K.scan_ranges(tmp_path, "results")[("res", 0)]
-    K.check_ranges("res", 0, ranges)                                      # segments never overlap
+    ranges = LK.scan_ranges(tmp_path, "results")[("res", 0)]
+    LK.check_ranges("res", 0, ranges)                                      # segments never overlap
     if commit_fails:
         assert sink.stats["replayed_segments"] >= 1 and sink.stats["files_skipped"] >= 1
     # a third pass from scratch (offsets lost, e.g. a new group id) still adds nothing
@@ -439,8 +444,8 @@ async def test_sink_refuses_overlapping_segments(tmp_path):
     recs = result_records(6)
     await _sink_pass(tmp_path, recs, FakeConsumer(), rotate_rows=6)
     f = next(tmp_path.rglob("*.parquet"))
-    f.rename(f.with_name(K.segment_file_name("res", 0, 2, 9)))
-    (f.parent / K.segment_file_name("res", 0, 0, 4)).write_bytes(b"x")
+    f.rename(f.with_name(LK.segment_file_name("res", 0, 2, 9)))
+    (f.parent / LK.segment_file_name("res", 0, 0, 4)).write_bytes(b"x")
     with pytest.raises(ToolError, match="overlapping"):
         await _sink_pass(tmp_path, recs, FakeConsumer(), rotate_rows=6)
 
@@ -469,7 +474,7 @@ async def _synthetic_lake(tmp_path: Path) -> tuple[Path, str, Path]:
         v, h = S.encode_dead_letter(make_dead_letter(ids[i], run, S.ErrorCode.INFERENCE_FAILED, i))
         dls.append(Rec("dlq", 0, j, 1_700_000_000_000, ids[i].encode(), v, tuple(h)))
     await _sink_pass(lake, dls, FakeConsumer(), rotate_rows=4)
-    m = P.RunManifest.for_run(tmp_path / "runs", run)
+    m = RunManifest.for_run(tmp_path / "runs", run)
     m.open({"run_id": run})
     for i, rid in enumerate(ids):
         m.append({"request_id": rid, "partition": 0, "offset": i})
@@ -493,10 +498,10 @@ async def test_audit_reports_missing_failed_duplicated(tmp_path):
 
     assert main(["audit", run, "--lake", str(lake), "--runs-dir", str(runs)]) == 1
     # complete once the missing ids are not in the manifest; strict also fails on failures
-    m = P.RunManifest.for_run(runs, run)
+    m = RunManifest.for_run(runs, run)
     keep = [r["request_id"] for r in m.records if not r["request_id"].endswith(("s8:trajectory:k1", "s9:trajectory:k1"))]
-    results = K.read_lake(lake, "results", run_id=run).to_pylist()
-    dls = K.read_lake(lake, "dead_letters", run_id=run).to_pylist()
+    results = LK.read_lake(lake, "results", run_id=run).to_pylist()
+    dls = LK.read_lake(lake, "dead_letters", run_id=run).to_pylist()
     ok = A.reconcile(run, keep, results, dls)
     assert ok.complete and ok.exit_code() == 0 and ok.exit_code(strict=True) == 1
     dup = A.reconcile(run, keep, results + results[:1], dls)
@@ -593,10 +598,10 @@ async def test_dedupe_read_keeps_the_earliest_record_of_each_request(tmp_path):
     recs = first + [Rec(r.topic, r.partition, 6 + i, r.timestamp + 60_000, r.key, r.value, r.headers)
                     for i, r in enumerate(again)]
     await _sink_pass(tmp_path, recs, FakeConsumer(), rotate_rows=3)
-    raw = K.read_lake(tmp_path, "results", columns=["request_id", "kafka_offset"]).to_pylist()
+    raw = LK.read_lake(tmp_path, "results", columns=["request_id", "kafka_offset"]).to_pylist()
     assert len(raw) == 8
-    deduped = K.read_lake(tmp_path, "results", columns=["request_id", "kafka_offset"], dedupe=True).to_pylist()
+    deduped = LK.read_lake(tmp_path, "results", columns=["request_id", "kafka_offset"], dedupe=True).to_pylist()
     assert sorted(r["request_id"] for r in deduped) == sorted({r.key.decode() for r in first})
     assert {r["request_id"]: r["kafka_offset"] for r in deduped} == {r.key.decode(): r.offset for r in first}
-    one_run = K.read_lake(tmp_path, "results", run_id="runB", dedupe=True)
+    one_run = LK.read_lake(tmp_path, "results", run_id="runB", dedupe=True)
     assert one_run.num_rows == 2 and "run_id" in one_run.column_names

@@ -19,7 +19,9 @@ import os
 
 import pytest
 
-from producer_tools.chaos import Broker, Figures, format_table, run_broker_restart, run_leader_kill
+from producer_tools.chaos.broker import Broker
+from producer_tools.chaos.figures import Figures, format_table
+from producer_tools.chaos.scenarios import run_broker_restart, run_leader_kill
 
 pytestmark = pytest.mark.kafka
 LONG = os.environ.get("ALPAMAYO_LONG_TESTS") == "1"

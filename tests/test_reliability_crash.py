@@ -21,7 +21,10 @@ import random
 
 import pytest
 
-from producer_tools.chaos import GUARANTEES, Broker, Figures, _thresholds, format_table, run_crash
+from producer_tools.chaos.broker import Broker
+from producer_tools.chaos.figures import Figures, format_table
+from producer_tools.chaos.pipeline import GUARANTEES, _thresholds
+from producer_tools.chaos.scenarios import run_crash
 
 LONG = os.environ.get("ALPAMAYO_LONG_TESTS") == "1"
 

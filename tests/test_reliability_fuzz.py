@@ -16,8 +16,12 @@ from collections import Counter, defaultdict
 import pytest
 
 import schemas as S
-from producer_tools.chaos import (FUZZ_GENERATORS, Broker, Pipeline, fuzz_cases, format_table, png_bytes,
-                                  peak_rss_bytes, prepare_claim_root, rss_bytes, run_fuzz, _Base)
+from producer_tools.chaos.broker import Broker
+from producer_tools.chaos.figures import format_table
+from producer_tools.chaos.fuzz import FUZZ_GENERATORS, _Base, fuzz_cases, png_bytes, prepare_claim_root
+from producer_tools.chaos.pipeline import Pipeline
+from producer_tools.chaos.processes import peak_rss_bytes, rss_bytes
+from producer_tools.chaos.scenarios import run_fuzz
 
 LONG = os.environ.get("ALPAMAYO_LONG_TESTS") == "1"
 

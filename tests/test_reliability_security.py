@@ -32,7 +32,11 @@ from pathlib import Path
 import pytest
 
 import schemas as S
-from producer_tools.chaos import Broker, Topics, _Base, format_table, png_bytes, run_crash, worker_env
+from producer_tools.chaos.broker import Broker, Topics
+from producer_tools.chaos.figures import format_table
+from producer_tools.chaos.fuzz import _Base, png_bytes
+from producer_tools.chaos.processes import worker_env
+from producer_tools.chaos.scenarios import run_crash
 from worker.claim_check import ClaimCheckFetcher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +120,7 @@ async def test_worker_serves_over_sasl_ssl_and_unauthenticated_clients_get_nothi
 def _bad_worker_env(kafka, ckpt, **over) -> dict[str, str]:
     broker = Broker(kafka.bootstrap, kafka, owned=False, user="worker")
     topics = Topics.fresh("sasl-refused", 1)
-    from producer_tools.chaos import free_port
+    from producer_tools.chaos.processes import free_port
 
     env = worker_env(broker, topics, checkpoint=ckpt, group="g-refused", guarantee="exactly_once", port=free_port())
     env.update(over)
@@ -151,7 +155,7 @@ def bad_credential_runs(sasl_kafka):
     """One worker per BAD_CREDENTIALS case, concurrently: {case: (exit code, stdout, stderr, seconds)}."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from producer_tools.chaos import tiny_checkpoint
+    from producer_tools.chaos.processes import tiny_checkpoint
 
     ckpt = tiny_checkpoint()
     with ThreadPoolExecutor(len(BAD_CREDENTIALS)) as pool:

@@ -1,4 +1,4 @@
-"""Tests for the synthetic scene generator (producer_tools/scenes.py)."""
+"""Tests for the synthetic scene generator (worker/scenes/)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from producer_tools import scenes as S
+from worker import scenes as S
+from worker.scenes.render import _COLORS, _LIGHT_RGB
+from worker.scenes.road import frenet
+from worker.scenes.request import (SceneInputError, SceneItem, build_request, runtime_frames, runtime_request,
+                                   scene_item)
+from worker.scenes.structs import ACCEL_MAX, ACCEL_MIN, CURVATURE_MAX, DT, EGO_FRONT, JERK_MAX, MIN_LEAD_CLEARANCE
 
 SEEDS = range(40)
 
@@ -146,18 +151,18 @@ def test_future_physically_sane(many_plans):
         v = np.asarray(p.speed)
         a = np.asarray(p.accel)
         assert (v >= 0.0).all(), seed
-        assert a.min() >= S.ACCEL_MIN - 1e-9 and a.max() <= S.ACCEL_MAX + 1e-9, seed
-        assert np.allclose(np.diff(v), a * S.DT, atol=1e-9), seed
+        assert a.min() >= ACCEL_MIN - 1e-9 and a.max() <= ACCEL_MAX + 1e-9, seed
+        assert np.allclose(np.diff(v), a * DT, atol=1e-9), seed
         a0 = f.ego_accel if f.ego_speed > 0.5 else 0.0
-        jerk = np.abs(np.diff(np.concatenate([[a0], a]))) / S.DT
-        assert jerk.max() <= S.JERK_MAX + 1e-6, (seed, jerk.max())
+        jerk = np.abs(np.diff(np.concatenate([[a0], a]))) / DT
+        assert jerk.max() <= JERK_MAX + 1e-6, (seed, jerk.max())
         # no reverse motion: every step advances along the heading
         xyz = np.vstack([[0.0, 0.0, 0.0], np.asarray(p.xyz)])
         yaw = np.concatenate([[0.0], p.yaw])
         d = np.diff(xyz[:, :2], axis=0)
         mid = 0.5 * (yaw[:-1] + yaw[1:])
         assert (d[:, 0] * np.cos(mid) + d[:, 1] * np.sin(mid) >= -1e-9).all(), seed
-        assert np.abs(p.curvature).max() <= S.CURVATURE_MAX + 1e-12
+        assert np.abs(p.curvature).max() <= CURVATURE_MAX + 1e-12
         # along-road progress never decreases
         assert (np.diff(p.s) >= -1e-6).all(), seed
 
@@ -169,7 +174,7 @@ def test_stops_before_red_light_stop_line(many_plans):
             continue
         n_red += 1
         s_max = max(p.s)
-        assert s_max + S.EGO_FRONT < f.stop_line_distance, (seed, s_max, f.stop_line_distance)
+        assert s_max + EGO_FRONT < f.stop_line_distance, (seed, s_max, f.stop_line_distance)
         assert p.speed[-1] < 0.5 and p.longitudinal == "Stop", seed
     assert n_red > 200
 
@@ -179,9 +184,9 @@ def test_future_positions_respect_stop_line_from_scene(scenes_64):
         f = sc.facts
         if f.traffic_light == "red" or (f.pedestrian_crossing and f.traffic_light != "yellow"):
             k = f.road_curvature
-            s_max = max(S._frenet(k, x, y)[0] for x, y, _ in sc.ego_future_xyz)
+            s_max = max(frenet(k, x, y)[0] for x, y, _ in sc.ego_future_xyz)
             limit = f.stop_line_distance if f.traffic_light == "red" else f.pedestrian_distance - 2.0
-            assert s_max + S.EGO_FRONT < limit, sc.scene_id
+            assert s_max + EGO_FRONT < limit, sc.scene_id
 
 
 def test_pedestrian_yield(many_plans):
@@ -190,7 +195,7 @@ def test_pedestrian_yield(many_plans):
         if f.pedestrian_crossing:
             n += 1
             assert p.longitudinal == "Stop", seed
-            assert max(p.s) + S.EGO_FRONT < f.pedestrian_distance - 1.5, seed
+            assert max(p.s) + EGO_FRONT < f.pedestrian_distance - 1.5, seed
     assert n > 50
 
 
@@ -202,8 +207,8 @@ def test_lead_never_overtaken_or_hit(many_plans):
             continue
         n += 1
         gaps = np.asarray(p.lead_s) - np.asarray(p.s)
-        assert gaps.min() >= S.MIN_LEAD_CLEARANCE, (seed, gaps.min())
-        assert gaps.min() - S.EGO_FRONT > 0.0
+        assert gaps.min() >= MIN_LEAD_CLEARANCE, (seed, gaps.min())
+        assert gaps.min() - EGO_FRONT > 0.0
         assert (np.diff(p.lead_s) >= -1e-9).all()  # the lead never reverses either
     assert n > 500
 
@@ -328,7 +333,7 @@ def test_grounding(scenes_64):
         im = np.asarray(Image.open(io.BytesIO(sc.images[4 + 3])))
         H, W, _ = im.shape
         crop = im[int(y1 * H / 1000) : int(math.ceil(y2 * H / 1000)), int(x1 * W / 1000) : int(math.ceil(x2 * W / 1000))]
-        color = np.asarray(S._COLORS[sc.facts.lead_color])
+        color = np.asarray(_COLORS[sc.facts.lead_color])
         frac = (np.abs(crop.astype(int) - color).sum(-1) == 0).mean()
         if not sc.facts.pedestrian_crossing:  # a pedestrian in front may hide part of it
             assert frac > 0.3, (sc.scene_id, frac)
@@ -340,7 +345,7 @@ def test_front_cameras_show_light_state(scenes_64):
         light = sc.facts.traffic_light
         for idx in (4 + 3, 20 + 3):  # front wide and front tele, last frame
             im = np.asarray(Image.open(io.BytesIO(sc.images[idx]))).astype(int)
-            for state, rgb in S._LIGHT_RGB.items():
+            for state, rgb in _LIGHT_RGB.items():
                 n = int((np.abs(im - np.asarray(rgb)).sum(-1) == 0).sum())
                 if state == light:
                     assert n >= 60, (sc.scene_id, idx, state, n)  # a big block (>= ~8x8 px)
@@ -418,6 +423,60 @@ def test_generation_speed_64px():
 
 
 # ------------------------------------------------------------------------------------------
+# Scene -> request (worker/scenes/request.py)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task", ["trajectory", "meta_action", "auto_labeling", "vqa", "grounding"])
+def test_build_request_from_a_scene(scenes_64, task):
+    import schemas
+
+    sc = scenes_64[3]
+    req = build_request(sc, task, 1, max_tokens=8)
+    schemas.validate_request(req)
+    assert req.request_id == f"{sc.scene_id}-{task}-k1" and req.run_id is None and req.labels == {}
+    assert req.temperature == 0.0 and req.num_traj_samples == 1 and req.submitted_at is None
+    vqa = task == "vqa"
+    assert req.images == (sc.vqa_images if vqa else sc.images)
+    assert req.camera_order == (sc.vqa_camera_order if vqa else sc.camera_order)
+    assert req.num_frames_per_camera == 4
+    assert req.question == {"vqa": sc.text.vqa_question, "grounding": sc.text.grounding_question}.get(task)
+    assert (req.egomotion is not None) == (task in schemas.TASKS_NEEDING_EGOMOTION)
+    assert (req.future_egomotion is not None) == (task == "auto_labeling")
+    assert req.max_tokens == (None if task == "trajectory" else 8)
+
+
+def test_build_request_parameters_and_refusals(scenes_64):
+    sc = scenes_64[4]
+    k3 = build_request(sc, "trajectory", 3, seed=5)
+    assert k3.temperature == 0.6 and k3.seed == 5 and k3.request_id == f"{sc.scene_id}-trajectory-k3"
+    asked = build_request(sc, "vqa", question="Is it raining?", request_id="q-1", run_id="r", labels={"a": "b"},
+                          submitted_at=12.5, top_p=0.5)
+    assert (asked.question, asked.request_id, asked.run_id, asked.labels, asked.submitted_at, asked.top_p) == \
+        ("Is it raining?", "q-1", "r", {"a": "b"}, 12.5, 0.5)
+    assert build_request(scene_item(sc), "grounding") == build_request(sc, "grounding")
+    with pytest.raises(SceneInputError, match="unknown task"):
+        build_request(sc, "parking")
+    with pytest.raises(SceneInputError, match="needs ego history"):
+        build_request(SceneItem(scene_id="x", camera_order=None, num_frames=4, load_images=lambda: []), "trajectory")
+
+
+def test_runtime_request_is_the_decoded_request(scenes_64):
+    sc = scenes_64[5]
+    traj = runtime_request(sc, "trajectory", max_tokens=9)
+    assert traj.frames.shape == (24, 64, 64, 3) and traj.frames.dtype == np.uint8
+    assert traj.camera_ids == (0, 1, 2, 3, 5, 6) and traj.num_frames == 4 and traj.max_tokens is None
+    assert traj.request_id == f"{sc.scene_id}-trajectory" and traj.seed == 0 and traj.temperature == 0.0
+    assert np.array_equal(traj.ego_history_xyz, np.asarray(sc.ego_history_xyz, np.float32))
+    assert traj.frames[0].tobytes() == np.asarray(Image.open(io.BytesIO(sc.images[0])).convert("RGB")).tobytes()
+    vqa = runtime_request(sc, "vqa", num_samples=2, temperature=0.6, seed=3, max_tokens=9)
+    assert vqa.camera_ids == (0, 1, 2, 3, 4, 5) and vqa.question == sc.text.vqa_question and vqa.max_tokens == 9
+    assert (vqa.num_samples, vqa.temperature, vqa.seed) == (2, 0.6, 3)
+    frames = runtime_frames(sc)
+    assert runtime_request(sc, "meta_action", frames=frames).frames is frames[0]
+
+
+# ------------------------------------------------------------------------------------------
 # Property test over arbitrary seeds (facts + planner only, no rendering)
 # ------------------------------------------------------------------------------------------
 
@@ -430,13 +489,13 @@ from hypothesis import strategies as st  # noqa: E402
 def test_planner_invariants_any_seed(seed):
     f, p = S.sample_facts(np.random.default_rng(seed))
     assert min(p.speed) >= 0.0
-    assert S.ACCEL_MIN - 1e-9 <= min(p.accel) and max(p.accel) <= S.ACCEL_MAX + 1e-9
+    assert ACCEL_MIN - 1e-9 <= min(p.accel) and max(p.accel) <= ACCEL_MAX + 1e-9
     a0 = f.ego_accel if f.ego_speed > 0.5 else 0.0
-    assert np.abs(np.diff(np.concatenate([[a0], p.accel]))).max() <= S.JERK_MAX * S.DT + 1e-6
+    assert np.abs(np.diff(np.concatenate([[a0], p.accel]))).max() <= JERK_MAX * DT + 1e-6
     if f.traffic_light == "red":
-        assert max(p.s) + S.EGO_FRONT < f.stop_line_distance and p.longitudinal == "Stop"
+        assert max(p.s) + EGO_FRONT < f.stop_line_distance and p.longitudinal == "Stop"
     if f.lead_present:
-        assert min(np.asarray(p.lead_s) - np.asarray(p.s)) >= S.MIN_LEAD_CLEARANCE
+        assert min(np.asarray(p.lead_s) - np.asarray(p.s)) >= MIN_LEAD_CLEARANCE
         box = S.lead_bbox(f)
         assert box is not None and 0 <= box[0] < box[2] <= 1000 and 0 <= box[1] < box[3] <= 1000
     else:

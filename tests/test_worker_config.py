@@ -174,7 +174,7 @@ def test_serve_refuses_a_bad_checkpoint_before_ready(tmp_path):
 
 
 def test_run_scene_cli_runs_one_scene_end_to_end(tiny, tmp_path):
-    from producer_tools.scenes import generate_scene, write_scene
+    from worker.scenes import generate_scene, write_scene
 
     ckpt, _ = tiny
     path = write_scene(generate_scene(3), tmp_path / "scene.msgpack")

@@ -35,7 +35,7 @@ import msgspec
 import pytest
 
 import schemas as S
-from worker.cli import scene_request
+from worker.scenes.request import build_request
 from worker.config import load_settings
 
 pytestmark = pytest.mark.kafka
@@ -60,7 +60,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def scene():
-    from producer_tools.scenes import generate_scene
+    from worker.scenes import generate_scene
 
     return generate_scene(7)
 
@@ -269,7 +269,7 @@ async def end_offsets(bootstrap, topic, partitions) -> dict[int, int]:
 
 
 def trajectory_requests(scene, n, prefix, k=1):
-    return [scene_request(scene, "trajectory", k, request_id=f"{prefix}-{i}", temperature=0.7 if k > 1 else 0.0,
+    return [build_request(scene, "trajectory", k, request_id=f"{prefix}-{i}", temperature=0.7 if k > 1 else 0.0,
                           seed=i) for i in range(n)]
 
 
@@ -320,7 +320,7 @@ async def test_mixed_requests_one_answer_each_with_shapes_speculative_block_and_
             (store / f"img{i}.png").write_bytes(blob)
             cc_images.append(S.ImageRef(uri=f"file://{store}/img{i}.png", sha256=hashlib.sha256(blob).hexdigest(),
                                         size=len(blob)))
-        sr = scene_request
+        sr = build_request
         rp = msgspec.structs.replace
         valid = [
             sr(scene, "trajectory", 1, request_id="traj-k1"),
@@ -448,7 +448,7 @@ async def test_sigkill_mid_run_and_restart_answers_everything(
     ckpt, _ = tiny
     req_t, res_t, dl_t = [await topic_factory(1, prefix=p) for p in ("req", "res", "dl")]
     n = 12
-    reqs = [scene_request(scene, "trajectory", 2 if i == 0 else 1, request_id=f"kill-{i}", temperature=0.7, seed=i)
+    reqs = [build_request(scene, "trajectory", 2 if i == 0 else 1, request_id=f"kill-{i}", temperature=0.7, seed=i)
             for i in range(n)]
     await produce(kafka_bootstrap, req_t, [request_item(r) for r in reqs])
     group = f"g-kill-{guarantee}"

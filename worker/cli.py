@@ -23,7 +23,7 @@ from worker.errors import Refusal
 from worker.intake import Intake, Job, RawRecord
 from worker.process import serve
 
-__all__ = ["main", "scene_request"]
+__all__ = ["main"]
 
 PROG = "alpamayo-worker"
 
@@ -59,33 +59,10 @@ def cmd_serve(_args) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def scene_request(scene, task: str = "trajectory", k: int = 1, *, request_id: str | None = None,
-                  temperature: float | None = None, seed: int | None = None, max_tokens: int | None = None,
-                  question: str | None = None, quaternions: bool = False):
-    """An :class:`schemas.InferRequest` for one task of a synthetic scene (producer_tools.scenes.Scene)."""
-    vqa = task == "vqa"
-    images = list(scene.vqa_images if vqa else scene.images)
-    order = list(scene.vqa_camera_order if vqa else scene.camera_order)
-    ego = S.Egomotion(ego_history_xyz=scene.ego_history_xyz, ego_history_rot=scene.ego_history_rot)
-    fut = None
-    if task == "auto_labeling":
-        fut = S.FutureEgomotion(ego_future_xyz=scene.ego_future_xyz, ego_future_rot=scene.ego_future_rot)
-    if question is None and task in ("vqa", "grounding"):
-        text = scene.text
-        question = getattr(text, "vqa_question" if vqa else "grounding_question", None) or (
-            "What should the ego vehicle do next?" if vqa else "Find the lead vehicle and return its bounding box.")
-    if temperature is None:
-        temperature = 0.6 if k > 1 else 0.0
-    return S.InferRequest(
-        request_id=request_id or f"{scene.scene_id}-{task}-k{k}", task=task, images=images, camera_order=order,
-        num_frames_per_camera=len(images) // len(order),
-        egomotion=ego if task in S.TASKS_NEEDING_EGOMOTION else None, future_egomotion=fut,
-        num_traj_samples=k, temperature=temperature, seed=seed,
-        max_tokens=max_tokens if task != "trajectory" else None, question=question)
-
-
 def cmd_run_scene(args) -> int:
-    from producer_tools.scenes import read_scene
+    # the scene generator (PIL, msgspec files) stays out of the serve command's imports
+    from worker.scenes import read_scene
+    from worker.scenes.request import build_request
 
     settings = _settings_or_exit()
     _logging(settings.log_level)
@@ -94,7 +71,7 @@ def cmd_run_scene(args) -> int:
     from worker.engine import Engine     # torch
 
     scene = read_scene(args.path)
-    req = scene_request(scene, args.task, args.k, temperature=args.temperature, seed=args.seed,
+    req = build_request(scene, args.task, args.k, temperature=args.temperature, seed=args.seed,
                         max_tokens=args.max_tokens, question=args.question)
     value, headers = S.encode_request(req)
     engine = Engine(settings)
@@ -207,8 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("serve", help="consume scene jobs from Kafka and publish results (one process per GPU)")
     rs = sub.add_parser("run-scene", help="run one scene file end to end through the engine and print the result")
-    rs.add_argument("path", help="scene file (producer_tools.scenes.write_scene)")
-    rs.add_argument("--task", default="trajectory", choices=S.TASKS)
+    rs.add_argument("path", help="scene file (worker.scenes.write_scene)")
+    rs.add_argument("--task", default="trajectory",
+                    choices=S.TASKS)
     rs.add_argument("--k", type=int, default=1, help="num_traj_samples (default 1)")
     rs.add_argument("--temperature", type=float, default=None, help="default 0 for K=1, else 0.6")
     rs.add_argument("--seed", type=int, default=None)

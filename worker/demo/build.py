@@ -7,7 +7,7 @@ scenes on the CPU in about three minutes, cached and reused.
 directory that is then renamed into place atomically) is returned at once without importing
 torch. Otherwise the build runs, under a file lock so concurrent callers build once:
 
-1. synthetic scenes (training + held-out) from `producer_tools.scenes.generate_scene`;
+1. synthetic scenes (training + held-out) from `worker.scenes.generate_scene`;
 2. a byte-level BPE tokenizer on the texts of all five tasks plus the prompt strings, extended
    with the release's trajectory-bin and special tokens (`worker.demo.layout.build_tokenizer`);
 3. the action-space normalisation fitted to the training scenes' planner futures;
@@ -145,8 +145,8 @@ def _build(out: Path, seed: int, progress: bool) -> None:
         if progress else (lambda msg: None)
     import torch
 
-    from producer_tools.scenes import generate_scene
-    from worker.demo import train
+    from worker.scenes import generate_scene
+    from worker.demo import report, train
     from worker.demo.layout import build_tokenizer, make_config, write_support_files
     from worker.model.checkpoint import save_checkpoint
     from worker.model.config import AlpamayoConfig

@@ -26,6 +26,9 @@ from typing import Sequence
 
 import numpy as np
 
+from worker.scenes import bev_plot
+from worker.scenes.request import runtime_frames, runtime_request
+
 LIGHT_BAR = 0.90      # light state named correctly in >= 90 % of held-out scenes
 MIN_ADE_BAR = 1.5     # metres, best of K = 3
 
@@ -72,16 +75,14 @@ def _chunks(xs: Sequence, n: int):
 def evaluate(runtime, scenes: Sequence, k: int = 3, temperature: float = 0.6, text_scenes: int | None = None,
              chunk: int = 16) -> tuple[dict, list[np.ndarray]]:
     """Run held-out scenes through `runtime.run`. -> (metrics dict, predicted xyz (K, 64, 3) per scene)."""
-    from worker.demo.train import scene_frames, scene_request
-
     t0, c0 = time.perf_counter(), time.process_time()
-    frames = [scene_frames(s) for s in scenes]
+    frames = [runtime_frames(s) for s in scenes]
     light_ok, light_first, lead_ok, ade, fde, preds, failures = [], [], [], [], [], [], []
     per_scene: list[dict] = []
     per_state: dict[str, list[int]] = {}
     for part in _chunks(list(range(len(scenes))), chunk):
-        reqs = [scene_request(scenes[i], "trajectory", num_samples=k, temperature=temperature, seed=1000 + i,
-                              frames=frames[i]) for i in part]
+        reqs = [runtime_request(scenes[i], "trajectory", num_samples=k, temperature=temperature, seed=1000 + i,
+                                frames=frames[i]) for i in part]
         for i, res in zip(part, runtime.run(reqs)):
             sc = scenes[i]
             if res.error:
@@ -108,10 +109,9 @@ def evaluate(runtime, scenes: Sequence, k: int = 3, temperature: float = 0.6, te
     for task in ("meta_action", "vqa", "grounding"):
         exact, iou50 = [], []
         for part in _chunks(list(range(n_text)), chunk):
-            reqs = [scene_request(scenes[i], task, temperature=0.0, seed=i,
-                                  frames=None if task == "vqa" else frames[i]) for i in part]
-            for r in reqs:
-                r.max_tokens = 160 if task == "meta_action" else 64
+            reqs = [runtime_request(scenes[i], task, temperature=0.0, seed=i,
+                                    max_tokens=160 if task == "meta_action" else 64,
+                                    frames=None if task == "vqa" else frames[i]) for i in part]
             for i, res in zip(part, runtime.run(reqs)):
                 t = scenes[i].text
                 if res.error:
@@ -179,9 +179,7 @@ def format_table(q: dict) -> str:
 
 def write_bev(directory: Path, scenes: Sequence, preds: Sequence, n_plot: int = 6) -> Path:
     """bev.png: bird's-eye plots of the first few held-out scenes (history, planner future,
-    predicted samples), drawn by `producer_tools.scenes.bev_plot`."""
-    from producer_tools.scenes import bev_plot
-
+    predicted samples), drawn by `worker.scenes.bev_plot`."""
     pick = [i for i, p in enumerate(preds) if p is not None][:n_plot]
     return bev_plot([scenes[i] for i in pick], [preds[i] for i in pick], Path(directory) / "bev.png")
 

@@ -1,6 +1,6 @@
 """Joint teacher-forced training of the demo model on synthetic scenes (VLM + action expert).
 
-The training data pipeline turns a synthetic scene (``producer_tools.scenes.Scene``) into one
+The training data pipeline turns a synthetic scene (``worker.scenes.Scene``) into one
 example per task. The prompt of each example is built by the runtime itself
 (``AlpamayoRuntime._prepare`` on a ``SceneRequest``), so training sees exactly the token ids,
 3-D rotary positions and pixel grids inference sees; the assistant target follows it:
@@ -43,39 +43,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from schemas import CAMERA_IDS_BY_NAME, TASKS
+from schemas import TASKS
 from worker.model.action_space import UnicycleActionSpaceConfig, trajectory_to_action
 from worker.model.expert import ActionExpert
-from worker.model.inputs import decode_image
-from worker.model.runtime import AlpamayoRuntime, SceneRequest
+from worker.model.runtime import AlpamayoRuntime
 from worker.model.text_tasks import IM_END, TRAJ_FUTURE_START
+from worker.scenes.request import runtime_frames, runtime_request
 
 
-# ------------------------------------------------------------------ scenes -> requests / targets
-
-def scene_frames(scene, vqa: bool = False) -> tuple[np.ndarray, tuple[int, ...]]:
-    """Decoded frames (N_cam * 4, H, W, 3) uint8, camera-major, and the camera ids from names."""
-    images = scene.vqa_images if vqa else scene.images
-    names = scene.vqa_camera_order if vqa else scene.camera_order
-    frames = np.stack([decode_image(b) for b in images])
-    return frames, tuple(CAMERA_IDS_BY_NAME[n] for n in names)
-
-
-def scene_request(scene, task: str, *, request_id: str | None = None, num_samples: int = 1,
-                  temperature: float = 0.0, seed: int = 0, frames=None) -> SceneRequest:
-    """The SceneRequest a producer would send for `scene` and `task` (the real inference input)."""
-    if frames is None:
-        frames = scene_frames(scene, vqa=task == "vqa")
-    arr, cams = frames
-    f32 = lambda x: np.asarray(x, dtype=np.float32)  # noqa: E731
-    question = {"vqa": scene.text.vqa_question, "grounding": scene.text.grounding_question}.get(task)
-    return SceneRequest(
-        request_id=request_id or f"{scene.scene_id}-{task}", task=task, frames=arr, camera_ids=cams,
-        num_frames=len(scene.frame_offsets_s),
-        ego_history_xyz=f32(scene.ego_history_xyz), ego_history_rot=f32(scene.ego_history_rot),
-        ego_future_xyz=f32(scene.ego_future_xyz), ego_future_rot=f32(scene.ego_future_rot),
-        num_samples=num_samples, temperature=temperature, seed=seed, question=question)
-
+# ------------------------------------------------------------------ targets
 
 def target_text(scene, task: str) -> str:
     """The assistant turn the model is trained to produce, with its terminal token."""
@@ -202,11 +178,11 @@ def build_examples(runtime: AlpamayoRuntime, scenes: Sequence, tasks: Sequence[s
         actions = planner_actions(scenes, runtime.cfg.action_space)
     out: list[Example] = []
     for i, scene in enumerate(scenes):
-        drive = scene_frames(scene)
-        vqa = scene_frames(scene, vqa=True) if "vqa" in tasks else None
+        drive = runtime_frames(scene)
+        vqa = runtime_frames(scene, vqa=True) if "vqa" in tasks else None
         for task in tasks:
             frames = vqa if task == "vqa" else drive
-            p = runtime._prepare(scene_request(scene, task, frames=frames))
+            p = runtime._prepare(runtime_request(scene, task, frames=frames))
             target_ids, weights = token_weights(tok, target_text(scene, task), task, key_weights)
             target = torch.tensor(target_ids, dtype=torch.long)
             plen, n = len(p.input_ids), len(target)

@@ -14,7 +14,6 @@ the draft's top-C candidates, teacher-forced on the previous true token.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import os
@@ -27,15 +26,15 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image
 
-from schemas import CAMERA_IDS_BY_NAME
 from worker.demo_cache import COMPLETE_MARKER, HEAD_VERSION, head_dir
 from worker.dflash.draft import MASK_TOKEN, DraftModel
 from worker.dflash.head import HeadConfig, head_config_for, write_metadata
 from worker.dflash.loop import DFlash2Speculator
 from worker.model.config import AlpamayoConfig
-from worker.model.runtime import AlpamayoRuntime, SceneRequest
+from worker.model.runtime import AlpamayoRuntime
+from worker.scenes import generate_scene
+from worker.scenes.request import runtime_request
 GAMMA = 4.0
 
 
@@ -188,20 +187,9 @@ def measure_acceptance(rt_spec, requests) -> dict:
 
 
 def demo_requests(seeds, k: int = 1, temperature: float = 0.0):
-    """Trajectory SceneRequests from synthetic scenes."""
-    from producer_tools.scenes import generate_scene
-
-    out = []
-    for seed in seeds:
-        s = generate_scene(int(seed))
-        frames = np.stack([np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in s.images])
-        out.append(SceneRequest(
-            request_id=s.scene_id, task="trajectory", frames=frames,
-            camera_ids=tuple(CAMERA_IDS_BY_NAME[n] for n in s.camera_order), num_frames=len(frames) // 6,
-            ego_history_xyz=np.asarray(s.ego_history_xyz, np.float32),
-            ego_history_rot=np.asarray(s.ego_history_rot, np.float32),
-            num_samples=k, temperature=temperature, seed=int(seed)))
-    return out
+    """Trajectory SceneRequests of the synthetic scenes of `seeds` (request id = scene id)."""
+    return [runtime_request(s, "trajectory", request_id=s.scene_id, num_samples=k, temperature=temperature,
+                            seed=int(seed)) for seed, s in ((seed, generate_scene(int(seed))) for seed in seeds)]
 
 
 def build_demo_head(checkpoint: str | Path, cache_root: str | Path | None = None, seed: int = 0,

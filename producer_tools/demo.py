@@ -1,4 +1,4 @@
-"""`make demo` (python -m worker.demo): the main job end to end on the embedded demo model.
+"""`make demo` (python -m producer_tools.demo): the main job end to end on the embedded demo model.
 
 1. start a local Apache Kafka (deploy/local), 2. build or reuse the demo checkpoint and its
 DFlash2 head, 3. create this run's topics, 4. start the worker (`python -m worker serve`) on the
@@ -18,7 +18,23 @@ import socket
 import statistics
 import sys
 import time
+import urllib.request
 from pathlib import Path
+
+import msgspec
+import numpy as np
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+import schemas as S
+from deploy.local.cluster import LocalKafka
+from producer_tools.common import client_kwargs, kafka_options, new_run_id
+from producer_tools.publish import run_request
+from producer_tools.scene_sources import iter_synthetic
+from producer_tools.topics import create_topics, plan_topics
+from worker.demo.build import build_demo_checkpoint
+from worker.dflash.train import build_demo_head
+from worker.scenes import bev_plot, generate_scene
+from worker.process import spawn_worker, wait_ready
 
 N_SCENES = 8
 
@@ -31,30 +47,21 @@ def _free_port() -> int:
 
 def _requests(run_id: str, n: int):
     """(InferRequest, expected) for every task and K = 1, 2, 3; two invalid requests."""
-    import msgspec
-
-    from producer_tools.publish import build_request, iter_synthetic
-
     _, items = iter_synthetic(n, seed=7_000_000)
     items = list(items)
     out = []
     for i, item in enumerate(items):
         k = 1 + i % 3
-        out.append(build_request(item, "trajectory", k, run_id, temperature=0.6 if k > 1 else 0.0, seed=i))
+        out.append(run_request(item, "trajectory", k, run_id, temperature=0.6 if k > 1 else 0.0, seed=i))
         task = ("meta_action", "auto_labeling", "vqa", "grounding")[i % 4]
-        out.append(build_request(item, task, 1, run_id, max_tokens=160))
-    bad_k = build_request(items[0], "trajectory", 5, run_id, temperature=0.6, seed=1)     # K not served
-    bad_img = msgspec.structs.replace(build_request(items[1], "trajectory", 1, run_id, seed=2),
+        out.append(run_request(item, task, 1, run_id, max_tokens=160))
+    bad_k = run_request(items[0], "trajectory", 5, run_id, temperature=0.6, seed=1)     # K not served
+    bad_img = msgspec.structs.replace(run_request(items[1], "trajectory", 1, run_id, seed=2),
                                       request_id=f"{run_id}:bad-image", images=[b"not an image"] * 24)
     return out + [bad_k, bad_img], items
 
 
 async def _publish_and_collect(opts, reqs, timeout_s: float):
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-
-    import schemas as S
-    from producer_tools.common import client_kwargs
-
     kw = client_kwargs(opts)
     results, dead = {}, {}
     consumer = AIOKafkaConsumer(opts.result_topic, opts.dead_letter_topic, group_id=None,
@@ -122,20 +129,13 @@ def _summary(results: dict, dead: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m worker.demo", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m producer_tools.demo", description=__doc__.split("\n")[0])
     ap.add_argument("--scenes", type=int, default=N_SCENES)
     ap.add_argument("--out", default="demo-out")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--keep-kafka", action="store_true", help="leave the local broker running")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-
-    from deploy.local.cluster import LocalKafka
-    from producer_tools.common import kafka_options, new_run_id
-    from producer_tools.topics import create_topics, plan_topics
-    from worker.demo.build import build_demo_checkpoint
-    from worker.dflash.train import build_demo_head
-    from worker.process import spawn_worker, wait_ready
 
     print("== 1. local Apache Kafka", flush=True)
     kafka = LocalKafka(name="demo")
@@ -169,8 +169,6 @@ def main(argv: list[str] | None = None) -> int:
         print("== 6. summary", flush=True)
         table = _summary(results, dead)
         print(table)
-        import urllib.request
-
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/metrics", timeout=5) as resp:
             for line in resp.read().decode().splitlines():
                 if line.startswith("alpamayo_spec_decode"):
@@ -199,10 +197,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(items, results, path: Path) -> None:
-    import numpy as np
-
-    from producer_tools.scenes import bev_plot, generate_scene
-
     scenes, preds = [], []
     for r, _ in results.values():
         if r.task == "trajectory" and r.pred_trajectories and len(scenes) < 6:

@@ -1,0 +1,227 @@
+"""The Parquet lake the sink writes and ``audit``, ``dlq``, ``report`` and the chaos harness read:
+its layout (fixed schemas, Hive directories, segment file names = the sink's offset log) and its
+readers (``scan_ranges``, ``read_lake``, ``one_row_per_request``).
+
+Layout::
+
+    <lake>/results/run_id=<run>/date=<YYYY-MM-DD>/<topic>+<partition>+<start>-<end>.parquet
+    <lake>/dead_letters/run_id=<run>/date=<YYYY-MM-DD>/<topic>+<partition>+<start>-<end>.parquet
+
+``run_id`` is URI-encoded (``__HIVE_DEFAULT_PARTITION__`` when null). Files hold the fixed schemas
+:data:`RESULT_SCHEMA` / :data:`DEAD_LETTER_SCHEMA` (partition columns come from the path).
+How the sink writes them exactly once: ``producer_tools.sink``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import defaultdict
+from pathlib import Path
+from urllib.parse import quote
+
+import pyarrow as pa
+
+from producer_tools.common import ToolError
+
+__all__ = [
+    "RESULT_SCHEMA",
+    "DEAD_LETTER_SCHEMA",
+    "PARTITION_SCHEMA",
+    "TABLES",
+    "NULL_PARTITION",
+    "segment_file_name",
+    "parse_segment_file_name",
+    "hive_dir",
+    "scan_ranges",
+    "check_ranges",
+    "read_lake",
+    "one_row_per_request",
+]
+
+NULL_PARTITION = "__HIVE_DEFAULT_PARTITION__"
+_F32 = pa.float32()
+_STR = pa.string()
+_TS_UTC = pa.timestamp("us", tz="UTC")
+
+_LINEAGE_FIELDS = [
+    pa.field("kafka_topic", _STR, nullable=False),
+    pa.field("kafka_partition", pa.int32(), nullable=False),
+    pa.field("kafka_offset", pa.int64(), nullable=False),
+    pa.field("kafka_timestamp", pa.timestamp("ms", tz="UTC")),
+    pa.field("decode_error", _STR),
+]
+
+RESULT_SCHEMA = pa.schema([
+    pa.field("request_id", _STR),
+    pa.field("task", _STR),
+    pa.field("schema_version", pa.int16()),
+    pa.field("num_samples", pa.int32()),
+    pa.field("labels", pa.map_(_STR, _STR)),
+    pa.field("pred_trajectories", pa.list_(pa.list_(pa.list_(_F32, 3), 64))),   # K x 64 x [x, y, z]
+    pa.field("pred_rotations", pa.list_(pa.list_(pa.list_(_F32, 9), 64))),      # K x 64 x row-major 3x3
+    pa.field("answer", _STR),
+    pa.field("output_texts", pa.list_(_STR)),
+    pa.field("cots", pa.list_(_STR)),
+    pa.field("meta_actions", pa.list_(pa.struct([("longitudinal", _STR), ("lateral", _STR), ("lane", _STR)]))),
+    pa.field("auto_labels", pa.list_(pa.struct([
+        ("critical_components_analysis", _STR), ("ego_vehicle_motion_analysis", _STR),
+        ("trajectory_analysis", _STR), ("chain_of_causation", _STR)]))),
+    pa.field("boxes", pa.list_(pa.list_(pa.struct([("bbox_2d", pa.list_(pa.float64())), ("label", _STR)])))),
+    pa.field("reasoning_texts", pa.list_(_STR)),
+    pa.field("generated_tokens", pa.list_(pa.int32())),
+    pa.field("spec_num_spec_tokens", pa.int32()),
+    pa.field("spec_num_spec_steps", pa.int64()),
+    pa.field("spec_num_draft_tokens", pa.int64()),
+    pa.field("spec_num_accepted_draft_tokens", pa.int64()),
+    pa.field("spec_draft_acceptance_rate", pa.float64()),
+    pa.field("spec_mean_acceptance_length", pa.float64()),
+    pa.field("spec_acceptance_histogram", pa.list_(pa.int64())),
+    pa.field("spec_per_step_accepted", pa.list_(pa.int32())),
+    pa.field("spec_per_step_drafted", pa.list_(pa.int32())),
+    pa.field("queue_ms", pa.float64()),
+    pa.field("image_prep_ms", pa.float64()),
+    pa.field("prefill_ms", pa.float64()),
+    pa.field("decode_ms", pa.float64()),
+    pa.field("diffusion_ms", pa.float64()),
+    pa.field("total_ms", pa.float64()),
+    pa.field("warnings", pa.list_(_STR)),
+    pa.field("model_id", _STR),
+    pa.field("model_profile", _STR),
+    pa.field("model_precision", _STR),
+    pa.field("model_checkpoint_hash", _STR),
+    pa.field("model_speculative_decoding", _STR),
+    pa.field("model_speculative_model", _STR),
+    pa.field("request_topic", _STR),
+    pa.field("request_partition", pa.int32()),
+    pa.field("request_offset", pa.int64()),
+    pa.field("worker_id", _STR),
+    pa.field("attempt", pa.int32()),
+    pa.field("replay_of", _STR),
+    pa.field("completed_at", _TS_UTC),
+    *_LINEAGE_FIELDS,
+])
+"""Results table (one row per result record; run_id/date come from the Hive path)."""
+
+DEAD_LETTER_SCHEMA = pa.schema([
+    pa.field("request_id", _STR),
+    pa.field("schema_version", pa.int16()),
+    pa.field("error_code", _STR),
+    pa.field("error_field", _STR),
+    pa.field("error_message", _STR),
+    pa.field("retryable", pa.bool_()),
+    pa.field("original_value", pa.large_binary()),
+    pa.field("original_value_truncated", pa.bool_()),
+    pa.field("original_size", pa.int64()),
+    pa.field("original_key", pa.binary()),
+    pa.field("original_headers", pa.list_(pa.struct([("key", _STR), ("value", pa.binary())]))),
+    pa.field("source_topic", _STR),
+    pa.field("source_partition", pa.int32()),
+    pa.field("source_offset", pa.int64()),
+    pa.field("attempt", pa.int32()),
+    pa.field("worker_id", _STR),
+    pa.field("failed_at", _TS_UTC),
+    pa.field("kafka_key", pa.binary()),
+    *_LINEAGE_FIELDS,
+])
+"""Dead-letter table: error code/field/message and the original bytes (for ``dlq replay``)."""
+
+PARTITION_SCHEMA = pa.schema([pa.field("run_id", _STR), pa.field("date", _STR)])
+TABLES = {"results": RESULT_SCHEMA, "dead_letters": DEAD_LETTER_SCHEMA}
+
+_SEGMENT_RE = re.compile(r"^(?P<topic>[A-Za-z0-9._-]+)\+(?P<partition>\d+)\+(?P<start>\d+)-(?P<end>\d+)\.parquet$")
+
+
+def segment_file_name(topic: str, partition: int, start: int, end: int) -> str:
+    """``<topic>+<partition>+<startOffset>-<endOffset>.parquet`` (offsets inclusive)."""
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", topic):
+        raise ValueError(f"not a Kafka topic name: {topic!r}")
+    if not 0 <= start <= end:
+        raise ValueError(f"bad offset range {start}-{end}")
+    return f"{topic}+{int(partition)}+{int(start)}-{int(end)}.parquet"
+
+
+def parse_segment_file_name(name: str) -> tuple[str, int, int, int] | None:
+    """(topic, partition, start, end) of a segment file name, or None."""
+    m = _SEGMENT_RE.match(name)
+    if not m:
+        return None
+    return m["topic"], int(m["partition"]), int(m["start"]), int(m["end"])
+
+
+def _partition_value(v: str | None) -> str:
+    return NULL_PARTITION if v is None or v == "" else quote(v, safe="")
+
+
+def hive_dir(lake: str | os.PathLike, table: str, run_id: str | None, date: str) -> Path:
+    return Path(lake) / table / f"run_id={_partition_value(run_id)}" / f"date={date}"
+
+
+def scan_ranges(lake: str | os.PathLike, table: str) -> dict[tuple[str, int], list[tuple[int, int]]]:
+    """{(topic, partition): sorted distinct [start, end] ranges} of a table's segment files."""
+    out: dict[tuple[str, int], set[tuple[int, int]]] = defaultdict(set)
+    root = Path(lake) / table
+    if not root.is_dir():
+        return {}
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            p = parse_segment_file_name(name)
+            if p is not None:
+                out[(p[0], p[1])].add((p[2], p[3]))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def check_ranges(topic: str, partition: int, ranges: list[tuple[int, int]]) -> None:
+    for (s1, e1), (s2, e2) in zip(ranges, ranges[1:]):
+        if s2 <= e1:
+            raise ToolError(f"the lake holds overlapping segments of {topic}+{partition}: {s1}-{e1} and {s2}-{e2}; "
+                            "refusing to write (was a sink run without the partition lock?)")
+
+
+_COORDS = ("kafka_topic", "kafka_partition", "kafka_offset")
+
+
+def one_row_per_request(tbl: pa.Table) -> pa.Table:
+    """At-least-once re-deliveries removed: of the rows sharing a ``request_id``, the one of the
+    earliest Kafka record (topic, partition, offset) is kept; rows without a request id are kept.
+    Deterministic (the lake's files are), and in the lake's row order otherwise."""
+    import pyarrow.compute as pc  # slow to import; only readers need it, not the sink
+
+    idx = pa.array(range(tbl.num_rows), pa.int64())
+    keyed = tbl.select(["request_id", *_COORDS]).append_column("_row", idx)
+    keyed = keyed.take(pc.sort_indices(keyed, [(c, "ascending") for c in ("request_id", *_COORDS)]))
+    first = keyed.filter(pc.is_valid(keyed["request_id"])).group_by("request_id", use_threads=False) \
+        .aggregate([("_row", "first")]).column("_row_first")
+    keep = pa.concat_arrays([first.combine_chunks().cast(pa.int64()),
+                             keyed.filter(pc.is_null(keyed["request_id"]))["_row"].combine_chunks()])
+    return tbl.take(pc.take(keep, pc.sort_indices(keep)))
+
+
+def read_lake(lake: str | os.PathLike, table: str = "results", run_id: str | None = None,
+              columns: list[str] | None = None, dedupe: bool = False) -> pa.Table:
+    """The table (with ``run_id`` and ``date`` from the path), optionally one run's rows only;
+    ``dedupe``: one row per request id (`one_row_per_request`), what lake consumers usually want
+    from an at-least-once run."""
+    if dedupe:
+        cols = None if columns is None else list(dict.fromkeys([*columns, "request_id", *_COORDS]))
+        tbl = one_row_per_request(read_lake(lake, table, run_id, cols))
+        return tbl.select(columns) if columns else tbl
+    import pyarrow.dataset as ds  # slow to import; only readers need it, not the sink
+
+    schema = pa.schema(list(TABLES[table]) + list(PARTITION_SCHEMA))
+    root = Path(lake) / table
+    if run_id is not None:
+        root = root / f"run_id={_partition_value(run_id)}"
+    if not root.is_dir():
+        tbl = schema.empty_table()
+        return tbl.select(columns) if columns else tbl
+    if run_id is not None:
+        part = ds.partitioning(pa.schema([pa.field("date", _STR)]), flavor="hive")
+        d = ds.dataset(str(root), format="parquet", partitioning=part,
+                       schema=pa.schema(list(TABLES[table]) + [pa.field("date", _STR)]))
+        tbl = d.to_table(columns=[c for c in (columns or schema.names) if c != "run_id"])
+        tbl = tbl.append_column("run_id", pa.array([run_id] * tbl.num_rows, _STR))
+        return tbl.select(columns) if columns else tbl.select(schema.names)
+    part = ds.partitioning(PARTITION_SCHEMA, flavor="hive")
+    d = ds.dataset(str(root), format="parquet", partitioning=part, schema=schema)
+    return d.to_table(columns=columns)

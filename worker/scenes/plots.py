@@ -1,0 +1,97 @@
+"""Reports and plots: fact/meta-action shares over many seeds and a bird's-eye plot grid."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from worker.scenes.facts import sample_facts
+from worker.scenes.road import arc_point, arc_points
+from worker.scenes.structs import LANE_WIDTH, LEAD_LENGTH, ROAD_HALF_WIDTH, Scene
+
+
+def distribution_report(n: int = 500, seed0: int = 0) -> dict[str, dict[str, float]]:
+    """Shares of the main fact categories and meta actions over seeds seed0 .. seed0+n-1
+    (facts and plans only; no rendering)."""
+    counts: dict[str, dict[str, int]] = {}
+
+    def bump(key: str, val: str) -> None:
+        counts.setdefault(key, {})
+        counts[key][val] = counts[key].get(val, 0) + 1
+
+    for i in range(n):
+        f, p = sample_facts(np.random.default_rng(seed0 + i))
+        bump("traffic_light", f.traffic_light)
+        bump("lead", f.lead_relation)
+        bump("pedestrian", f.pedestrian_side if f.pedestrian_crossing else "none")
+        bump("blocked_lane", f.blocked_lane_kind)
+        bump("road", "straight" if f.road_curvature == 0 else "left" if f.road_curvature > 0 else "right")
+        bump("ego_speed", "<2" if f.ego_speed < 2 else "2-8" if f.ego_speed < 8 else "8-14" if f.ego_speed < 14 else ">=14")
+        bump("longitudinal", p.longitudinal)
+        bump("lateral", p.lateral)
+        bump("lane", p.lane)
+    return {k: {v: c / n for v, c in sorted(d.items())} for k, d in counts.items()}
+
+
+def bev_plot(scenes: Sequence[Scene], predictions: Sequence | None = None,
+             path: str | os.PathLike = "bev.png", *, ncols: int | None = None) -> Path:  # fmt: skip
+    """Bird's-eye grid: history (grey), planner future (blue), optional predicted samples
+    (orange; per scene an array-like of shape (K, 64, >=2) or (64, >=2), or None), lead vehicle
+    at t0 and stop line. Forward is up, left is left."""
+    import matplotlib  # heavy optional dependency: only plots need it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = max(1, len(scenes))
+    ncols = ncols or int(math.ceil(math.sqrt(n)))
+    nrows = int(math.ceil(n / ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.0 * ncols, 3.6 * nrows), squeeze=False)
+    for idx, ax in enumerate(axes.flat):
+        if idx >= len(scenes):
+            ax.axis("off")
+            continue
+        sc = scenes[idx]
+        f = sc.facts
+        h = np.asarray(sc.ego_history_xyz)
+        fu = np.asarray(sc.ego_future_xyz)
+        k = f.road_curvature
+        s = np.linspace(-30.0, max(40.0, float(fu[-1, 0]) + 10.0), 80)
+        for dlat in (-ROAD_HALF_WIDTH, -0.5 * LANE_WIDTH, 0.5 * LANE_WIDTH, ROAD_HALF_WIDTH):
+            x, y = arc_points(k, s, dlat)
+            ax.plot(-y, x, color="0.8", lw=0.8, ls="-" if abs(dlat) > 2 else "--", zorder=0)
+        if f.traffic_light != "none":
+            x0, y0 = arc_point(k, f.stop_line_distance, -ROAD_HALF_WIDTH)
+            x1, y1 = arc_point(k, f.stop_line_distance, ROAD_HALF_WIDTH)
+            ax.plot([-y0, -y1], [x0, x1], color={"green": "g", "yellow": "y", "red": "r"}[f.traffic_light], lw=2)
+        if f.lead_present:
+            x, y = arc_point(k, f.lead_gap + LEAD_LENGTH / 2, 0.0)
+            ax.plot([-y], [x], marker="s", ms=7, color="k")
+        if f.pedestrian_crossing:
+            x, y = arc_point(k, f.pedestrian_distance, 0.0)
+            ax.plot([-y], [x], marker="*", ms=9, color="m")
+        if f.blocked_lane:
+            dlat = 0.0 if f.blocked_lane_kind == "ego" else (LANE_WIDTH if f.blocked_lane_side == "left" else -LANE_WIDTH)
+            x, y = arc_point(k, f.blocked_distance, dlat)
+            ax.plot([-y], [x], marker="X", ms=8, color="orange")
+        if predictions is not None and idx < len(predictions) and predictions[idx] is not None:
+            pr = np.asarray(predictions[idx], dtype=np.float64)
+            if pr.ndim == 2:
+                pr = pr[None]
+            for smp in pr:
+                ax.plot(-smp[:, 1], smp[:, 0], color="tab:orange", lw=1.0, alpha=0.7)
+        ax.plot(-h[:, 1], h[:, 0], color="0.4", lw=2)
+        ax.plot(-fu[:, 1], fu[:, 0], color="tab:blue", lw=1.6)
+        ax.plot([0], [0], marker="o", ms=4, color="k")
+        ax.set_aspect("equal", adjustable="datalim")
+        ax.set_title(f"{sc.scene_id}\n{f.traffic_light} light, lead {f.lead_relation}", fontsize=7)
+        ax.tick_params(labelsize=6)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
