@@ -1,8 +1,8 @@
 """How the worker's Kafka clients are configured: security settings, the startup preflight, and
 the producer's and consumer's keyword arguments (static membership, transactional id).
 
-:func:`security_kwargs` is the one builder of the SASL/SSL settings: the producer tools
-(``producer_tools.common.client_kwargs``) use it as well.
+:func:`security_kwargs` is the one builder of the SASL/SSL settings: the producer tools'
+Kafka clients are built with it as well.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ __all__ = ["KafkaSecurity", "security_kwargs", "instance_id", "transactional_id"
 
 
 class KafkaSecurity(Protocol):
-    """The security fields shared by worker.config.Settings and producer_tools.common.KafkaOptions."""
+    """The security fields of worker.config.Settings (and of the producer tools' Kafka options)."""
 
     security_protocol: str
     sasl_mechanism: str | None
