@@ -203,8 +203,11 @@ class WorkerService:
         stop_wait = asyncio.create_task(self._stop.wait(), name="stop")
         done, _ = await asyncio.wait(tasks | {stop_wait}, return_when=asyncio.FIRST_COMPLETED)
         failed = [t for t in done if t is not stop_wait and (t.cancelled() or t.exception() is not None)]
-        if failed or (done - {stop_wait}):
-            t = next(iter(failed or (done - {stop_wait})))
+        # a loop that returned because a stop was requested (the fetch loop checks the stop event)
+        # is the drain starting, not a failure, even when it finished in the same turn as stop_wait
+        ended = set() if self._stop.is_set() else done - {stop_wait}
+        if failed or ended:
+            t = next(iter(failed or ended))
             err = t.exception() if not t.cancelled() else None
             self._fatal = err or RuntimeError(f"task {t.get_name()} ended")
             log.error("fatal: %s: %s (nothing more is committed; unfinished records will be re-delivered)",
