@@ -172,18 +172,18 @@ def sweep_expert_attention(dev, gen) -> None:
     live = torch.full((b,), 4464, device=dev)
     flops = 4 * b * hq * t * 4464 * d
     print("| expert attention config | us | TFLOP/s |\n|---|---|---|")
-    for block_n in (64, 128):
-        for stages in (2, 3):
-            for splits in (None, 1, 2, 3):
-                try:
-                    ms = triton.testing.do_bench(lambda: cache_attention(q, k, v, live, False, block_n=block_n,
-                                                                         num_stages=stages, splits=splits),
-                                                 warmup=20, rep=100, return_mode="median")
-                except Exception as e:          # a config over the shared-memory limit
-                    print(f"| block_n {block_n}, stages {stages}, splits {splits} | {type(e).__name__} | - |")
-                    continue
-                print(f"| block_n {block_n}, stages {stages}, splits {splits or 'auto'} | {ms * 1e3:.1f} | "
-                      f"{flops / ms / 1e9:.0f} |", flush=True)
+    configs = [(128, bn, st, sp) for bn in (64, 128) for st in (2, 3) for sp in (None, 1, 2, 3)]
+    configs += [(64, bn, 3, sp) for bn in (64, 128) for sp in (1, 2)]
+    for block_m, block_n, stages, splits in configs:
+        name = f"block_m {block_m}, block_n {block_n}, stages {stages}, splits {splits or 'auto'}"
+        try:
+            ms = triton.testing.do_bench(lambda: cache_attention(q, k, v, live, False, block_n=block_n,
+                                                                 num_stages=stages, splits=splits, block_m=block_m),
+                                         warmup=20, rep=100, return_mode="median")
+        except Exception as e:          # a config over the shared-memory limit
+            print(f"| {name} | {type(e).__name__} | - |")
+            continue
+        print(f"| {name} | {ms * 1e3:.1f} | {flops / ms / 1e9:.0f} |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -179,14 +179,15 @@ def split_plan(rows: int, kv_heads: int, m_tiles: int, capacity: int, block_n: i
 
 def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: torch.Tensor,
                     causal: bool, out: torch.Tensor | None = None, *, block_n: int = 64,
-                    num_stages: int | None = None, splits: int | None = None) -> torch.Tensor:
+                    num_stages: int | None = None, splits: int | None = None,
+                    block_m: int | None = None) -> torch.Tensor:
     """softmax(q K^T / sqrt(D)) V over keys [0, kv_len[b]) of each row (causal: query t of T stops
     at kv_len[b] - T + t), grouped-query heads reading their KV head once.
 
     q (B, T, Hq, D) (any strides with D contiguous); k_cache, v_cache (>= B, Hkv, L, D) with D
     contiguous; kv_len (B,) integer -> (B, T, Hq, D) in q's dtype (or written into `out`).
-    Triton kernel when q is on a GPU; `attend_reference` otherwise. block_n, num_stages and
-    splits override the launch configuration (the kernel check's sweep).
+    Triton kernel when q is on a GPU; `attend_reference` otherwise. block_n, num_stages, splits
+    and block_m (query rows per tile) override the launch configuration (the kernel check's sweep).
     """
     if not (q.is_cuda and triton is not None) and not _interpret():
         res = attend_reference(q, k_cache[:q.shape[0]], v_cache[:q.shape[0]], kv_len, causal)
@@ -196,7 +197,8 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     g = hq // hkv
     rows_m = g * t
     # one query tile per KV head where it fits (the expert's 2 x 64 queries: K/V read once)
-    block_m = 16 if rows_m <= 16 else 32 if rows_m <= 32 else 64 if rows_m <= 64 else 128
+    if block_m is None:
+        block_m = 16 if rows_m <= 16 else 32 if rows_m <= 32 else 64 if rows_m <= 64 else 128
     m_tiles = -(-rows_m // block_m)
     if splits is None:
         size, splits = split_plan(b, hkv, m_tiles, cap, block_n, block_m)
