@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head", default=None, help="DFlash2 head dir for --demo")
     ap.add_argument("--out", default=None, help="write the Markdown table here")
     ap.add_argument("--expert-only", action="store_true",
-                    help="only the expert loop (8 rows), shipped attention tiles and 64-row query tiles side by side")
+                    help="only the expert loop (8 rows)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="only profile the decode/verify/draft/expert kernels; write DIR/profile.txt")
     args = ap.parse_args(argv)
@@ -536,18 +536,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.expert_only:
         expert_loop(t, rt, 8, context)
-        import functools
-
-        import worker.model.layers as layers
-
-        shipped = layers.cache_attention
-        layers.cache_attention = functools.partial(shipped, block_m=64, splits=1)
-        try:
-            rt.graphs.clear()
-            t.add("expert", "(the same with 64-row query tiles, unsplit)", "")
-            expert_loop(t, rt, 8, context)
-        finally:
-            layers.cache_attention = shipped
         return 0
     hf = {} if args.skip_hf else hf_generate(t, model, dev, context, new=16 if gpu else 4)
     steps = engine_steps(t, rt, floor_s, sorted({1, 4, max(batches)}), context, "bf16")
