@@ -18,6 +18,9 @@ Fixtures
         name = topic_factory.sync(2)                       # from a sync test (own loop, own thread)
         name = await topic_factory(1, prefix="req", config={"max.message.bytes": "2097152"})
 
+``scene`` (module)
+    The synthetic scene of seed 7 (:func:`worker.scenes.generate_scene`).
+
 Tests that use ``kafka_bootstrap``/``topic_factory``/``local_kafka`` are marked ``kafka``
 automatically.
 """
@@ -26,19 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from deploy.local.cluster import LocalKafka, LocalKafkaError  # noqa: E402
+from deploy.local.cluster import LocalKafka, LocalKafkaError
+from worker.scenes import Scene, generate_scene
 
 KAFKA_FIXTURES = {"kafka_bootstrap", "topic_factory", "local_kafka"}
 
@@ -146,3 +144,8 @@ class TopicFactory:
 @pytest.fixture
 def topic_factory(kafka_bootstrap: str) -> TopicFactory:
     return TopicFactory(kafka_bootstrap)
+
+
+@pytest.fixture(scope="module")
+def scene() -> Scene:
+    return generate_scene(7)

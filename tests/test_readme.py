@@ -1,10 +1,10 @@
 """README promises: the two commands, every configuration variable documented."""
 
-from pathlib import Path
-
 from worker.config import VARIABLES
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+from tests import REPO_ROOT
+
+README = (REPO_ROOT / "README.md").read_text()
 
 
 def test_two_commands():
@@ -17,5 +17,5 @@ def test_every_variable_documented():
 
 
 def test_ci_runs_exactly_the_readme_test_command():
-    ci = (Path(__file__).resolve().parent.parent / ".ci" / "run").read_text()
+    ci = (REPO_ROOT / ".ci" / "run").read_text()
     assert "make test" in ci

@@ -53,7 +53,7 @@ up by itself, restarted by the harness as a supervisor would).
 
 The run passes (exit 0) when nothing is lost, no Kafka record is twice in the lake, exactly_once
 shows no duplicate, every requested fault landed mid-run and the final SIGTERM drained the worker
-(exit 0). Long runs are opt-in; the tests in ``tests/test_reliability_*.py`` run short ones.
+(exit 0). Long runs are opt-in; the tests in ``tests/reliability/`` run short ones.
 
 Modules: ``figures`` (one row per run), ``fuzz`` (the bad-message corpus), ``broker`` (the cluster,
 topics, offsets), ``processes`` (the supervised worker and sink), ``monitor`` (the output topics as

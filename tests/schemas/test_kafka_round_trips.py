@@ -14,7 +14,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 import schemas as S
 from schemas import ContractError, ErrorCode
 
-from test_schemas import IMG, ego, image_ref, request, result  # shared builders
+from tests.schemas.test_contract import IMG, ego, image_ref, request, result  # shared builders
 
 pytestmark = pytest.mark.kafka
 

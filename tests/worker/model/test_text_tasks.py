@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -21,6 +20,8 @@ from worker.model.text_tasks import (
     split_meta_action,
 )
 
+from tests import REPO_ROOT
+
 META_FIXTURE = (
     "The lead vehicle is slowing, so the ego should keep distance.\n"
     "Longitudinal: Keep Speed.\n"
@@ -30,7 +31,7 @@ META_FIXTURE = (
 
 
 def test_module_does_not_import_torch() -> None:
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(REPO_ROOT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     code = "import sys, worker.model.text_tasks; print('torch' in sys.modules)"
     out = subprocess.run(

@@ -7,7 +7,7 @@ image decoding.
    clients without TLS, without the CA or with a wrong password can neither read nor write; the
    worker refuses to start with bad credentials (non-zero exit, the cause named in its output).
 2. Claim-check URIs stay inside the configured roots and schemes (cases beyond
-   ``tests/test_worker_intake.py``'s: directory symlinks, sibling prefixes, other schemes, NUL,
+   ``tests/worker/test_intake.py``'s: directory symlinks, sibling prefixes, other schemes, NUL,
    reads capped at the declared size, FIFOs).
 3. No pickle, dill, marshal, ``eval``/``exec`` or ``torch.load`` without ``weights_only=True``
    anywhere in the tree (an AST scan, checked against planted examples first).
@@ -39,7 +39,7 @@ from producer_tools.chaos.processes import worker_env
 from producer_tools.chaos.scenarios import run_crash
 from worker.claim_check import ClaimCheckFetcher
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import REPO_ROOT
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,7 +187,7 @@ def test_bad_credentials_are_one_clear_line_before_the_model_loads(bad_credentia
 
 
 # --------------------------------------------------------------------------------------------
-# 2. claim-check confinement (beyond tests/test_worker_intake.py)
+# 2. claim-check confinement (beyond tests/worker/test_intake.py)
 # --------------------------------------------------------------------------------------------
 
 
@@ -309,8 +309,8 @@ SKIP_DIRS = {".git", "__pycache__", ".venv", "venv", "node_modules", "build", "d
 _OWN_BYTES = ("the test pickles the project's own ContractError and loads back the bytes it just made "
               "(exceptions must survive process pools); no external data is unpickled")
 ALLOWED = {
-    ("tests/test_schemas.py", "import pickle"): _OWN_BYTES,
-    ("tests/test_schemas.py", "pickle.loads("): _OWN_BYTES,
+    ("tests/schemas/test_contract.py", "import pickle"): _OWN_BYTES,
+    ("tests/schemas/test_contract.py", "pickle.loads("): _OWN_BYTES,
 }
 
 
@@ -421,7 +421,7 @@ def test_the_scanner_finds_every_planted_pattern_and_nothing_safe():
 
 
 def _tree_files():
-    for dirpath, dirs, files in os.walk(ROOT):
+    for dirpath, dirs, files in os.walk(REPO_ROOT):
         dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")]
         for name in files:
             p = Path(dirpath) / name
@@ -434,7 +434,7 @@ def test_no_pickle_or_unsafe_torch_load_anywhere_in_the_tree():
     shell = re.compile(r"\b(pickle|dill|marshal\.loads|torch\.load\(|allow_pickle\s*=\s*True|eval\s*\()")
     n = 0
     for p in _tree_files():
-        rel = p.relative_to(ROOT).as_posix()
+        rel = p.relative_to(REPO_ROOT).as_posix()
         text = p.read_text(errors="replace")
         n += 1
         if p.suffix == ".py":

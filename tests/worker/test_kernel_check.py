@@ -7,14 +7,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import REPO_ROOT
 
 
 def test_kernels_match_reference_ops_in_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-m", "worker.kernel_check", "--shape", "tiny"], cwd=ROOT, env=env,
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-m", "worker.kernel_check", "--shape", "tiny"], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "| ok |" in line]

@@ -17,7 +17,7 @@ from worker.dflash.oracle import OracleProposer, error_rate_for_tau
 from worker.model.config import AlpamayoConfig
 from worker.model.runtime import AlpamayoRuntime
 
-from tests.test_model_runtime import ExpertInputs, assert_same_expert_inputs, scene
+from tests.worker.model.test_runtime import ExpertInputs, assert_same_expert_inputs, scene
 
 
 @pytest.fixture(scope="module")

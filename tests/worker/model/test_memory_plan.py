@@ -7,7 +7,7 @@ from worker.demo.layout import write_random_checkpoint
 from worker.model.memory_plan import GIB, MemoryPlanError, plan, reserve_bytes
 from worker.model.runtime import AlpamayoRuntime
 
-from tests.test_model_runtime import scene
+from tests.worker.model.test_runtime import scene
 
 # the 32B shape: 64 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes per column; 1 draft layer beside it
 COLUMN_32B = 2 * 64 * 8 * 128 * 2 + 2 * 1 * 8 * 128 * 2

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from worker.config import ConfigError, Settings
 from worker.dflash.head import HeadError
@@ -16,7 +15,8 @@ from worker.errors import Refusal
 from worker.model.config import CheckpointError
 from worker.service import EXIT_FAILED, EXIT_REFUSED, WorkerService
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import REPO_ROOT
+
 
 # what `alpamayo-worker serve` imports before it loads a model: the CLI, the process entry, the
 # service (Kafka clients, intake, publisher) and the engine with everything it loads and warms
@@ -27,8 +27,8 @@ SERVE_MODULES = ("worker.cli", "worker.process", "worker.service", "worker.kafka
 def test_serve_path_imports_no_training_benchmark_chaos_or_tool_code():
     code = (f"import importlib, json, sys\nfor m in {SERVE_MODULES!r}: importlib.import_module(m)\n"
             "print(json.dumps(sorted(sys.modules)))")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
+                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert p.returncode == 0, p.stderr
     loaded = json.loads(p.stdout)
     assert set(SERVE_MODULES) <= set(loaded)

@@ -8,7 +8,6 @@ import struct
 import subprocess
 import sys
 import zlib
-from pathlib import Path
 from typing import Any, Callable
 
 import msgspec
@@ -17,7 +16,7 @@ import pytest
 import schemas as S
 from schemas import ContractError, ErrorCode
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import REPO_ROOT
 
 
 # ------------------------------------------------------------------------------------------------
@@ -570,7 +569,7 @@ def test_every_field_is_documented() -> None:
 
 
 def test_contract_doc_mentions_every_code_and_field() -> None:
-    doc = (ROOT / "docs" / "contract.md").read_text()
+    doc = (REPO_ROOT / "docs" / "contract.md").read_text()
     for code in ErrorCode:
         assert f"`{code.value}`" in doc, code
     for typ in (S.InferRequest, S.ImageRef, S.Egomotion, S.FutureEgomotion, S.InferResult, S.ResultMetrics,
@@ -581,4 +580,4 @@ def test_contract_doc_mentions_every_code_and_field() -> None:
 
 def test_no_torch_or_numpy_import() -> None:
     code = "import sys, schemas; bad = {'torch', 'numpy'} & set(sys.modules); assert not bad, bad"
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+    subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)

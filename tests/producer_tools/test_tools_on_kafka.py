@@ -36,21 +36,21 @@ from producer_tools.scene_sources import iter_synthetic
 from worker.scenes import generate_scene
 from worker.scenes.request import scene_item
 
-from test_producer_tools import make_result  # shared builder
+from tests import REPO_ROOT
+from tests.producer_tools.sink_harness import make_result
 
 pytestmark = pytest.mark.kafka
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["OMP_NUM_THREADS"] = "1"
     return env
 
 
 def _cli(*args: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "producer_tools", *args], env=_env(), cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "producer_tools", *args], env=_env(), cwd=REPO_ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
 
 
@@ -224,7 +224,7 @@ def _free_port() -> int:
 
 
 def _spawn_worker(env: dict[str, str], log: Path) -> subprocess.Popen:
-    if not (ROOT / "worker" / "service.py").exists():
+    if not (REPO_ROOT / "worker" / "service.py").exists():
         pytest.fail("worker/service.py does not exist: the end-to-end producer test needs the worker service "
                     "(python -m worker serve)", pytrace=False)
     from worker.process import spawn_worker

@@ -5,13 +5,12 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from worker.config import VARIABLES, ConfigError, load_settings
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import REPO_ROOT
 
 
 def refused(env, *must_contain):
@@ -101,7 +100,7 @@ def test_defaults_and_profiles():
 
 
 def test_every_variable_read_is_documented():
-    src = (ROOT / "worker" / "config.py").read_text()
+    src = (REPO_ROOT / "worker" / "config.py").read_text()
     read = set(re.findall(r'"((?:NIM|ALPAMAYO)_[A-Z0-9_]+)"', src.split("VARIABLES: dict")[0]))
     assert read - set(VARIABLES) == set(), "variables read but not in VARIABLES"
     assert set(VARIABLES) - read == set(), "documented but never read"
@@ -109,10 +108,10 @@ def test_every_variable_read_is_documented():
 
 def _cli(args, env_extra, timeout=120):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NIM_", "ALPAMAYO_KAFKA", "ALPAMAYO_PROC"))}
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = str(REPO_ROOT)
     env.update(env_extra)
     return subprocess.run([sys.executable, "-m", "worker", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+                          timeout=timeout, cwd=REPO_ROOT)
 
 
 @pytest.mark.parametrize("env,needle", [
@@ -135,19 +134,9 @@ def test_help_does_not_import_torch():
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    try: main(['--help'])\n    except SystemExit: pass\n"
             "print('torch' in sys.modules)")
-    p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
-                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                       capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     assert p.stdout.strip() == "False", p.stderr
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from worker.demo.layout import write_random_checkpoint
-    from worker.dflash.draft import write_random_head
-
-    root = tmp_path_factory.mktemp("tiny")
-    ckpt = write_random_checkpoint(root / "ckpt")
-    return ckpt, write_random_head(ckpt, root / "head")
 
 
 def test_check_head_cli(tiny, tmp_path):

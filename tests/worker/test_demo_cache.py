@@ -15,7 +15,7 @@ import pytest
 from worker import demo_cache
 from worker.config import cache_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import REPO_ROOT
 
 
 def test_cache_layout(tmp_path, monkeypatch):
@@ -70,7 +70,7 @@ def test_a_missing_checkpoint_is_built_by_a_child_whose_failure_is_reported(tmp_
 
 def test_the_head_builder_entry_point_takes_the_arguments_the_serving_side_passes():
     p = subprocess.run([sys.executable, "-m", "worker.dflash.train", "--help"], capture_output=True, text=True,
-                       timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       timeout=120, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert p.returncode == 0, p.stderr
     for flag in ("--checkpoint", "--cache-dir", "--quiet"):
         assert flag in p.stdout

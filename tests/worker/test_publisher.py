@@ -1,6 +1,6 @@
 """Offset tracking and the publisher's commit rules, with recording fake Kafka clients.
 
-The real-broker behaviour (crash, rebalance, transactions) is in test_worker_kafka.py.
+The real-broker behaviour (crash, rebalance, transactions) is in test_service_kill_rebalance_drain.py.
 """
 
 import asyncio

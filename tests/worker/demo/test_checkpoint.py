@@ -17,7 +17,7 @@ import pytest
 from worker.demo import build
 from worker.demo.report import LIGHT_BAR, MIN_ADE_BAR, format_table, lead_situation_named, light_state_named
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import REPO_ROOT
 
 
 @pytest.fixture(scope="module")
@@ -134,9 +134,9 @@ def test_cli_reuses_cache_without_torch(ckpt, tmp_path):
     """A fresh process: the cached path needs neither torch nor a rebuild, and prints the table."""
     code = ("import sys, time; t=time.perf_counter(); from worker.demo.build import main; rc=main(['--quiet']); "
             "print('TORCH', 'torch' in sys.modules); print('SECONDS', time.perf_counter()-t); sys.exit(rc)")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                          timeout=60)
     wall = time.perf_counter() - t0
     assert out.returncode == 0, out.stderr
