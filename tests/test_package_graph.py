@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import REPO_ROOT as ROOT
 PACKAGES = ("schemas", "worker", "producer_tools", "deploy")
 FORBIDDEN = {                      # package -> top-level packages of this repo it must not import
     "schemas": {"worker", "producer_tools", "deploy", "tests"},

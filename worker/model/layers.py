@@ -5,7 +5,8 @@ Per layer, 9 launches: [residual add + RMSNorm] -> q/k/v GEMM -> [q/k norm + rot
 the cache] -> attention over live keys (2 kernels) -> o GEMM -> [residual add + RMSNorm] ->
 gate/up GEMM -> [silu * mul] -> down GEMM. The residual add of a layer's MLP output is folded
 into the next layer's input norm. The reference (unfused, CPU) math of each user stays in its
-own module; `tests/test_fused_layers.py` checks this path against it with Triton's interpreter.
+own module; `python -m worker.kernel_check` (run on the CPU by `tests/worker/test_kernel_check.py`,
+through Triton's interpreter) checks this path against it.
 
 Shapes: B rows, T new tokens per row, H hidden, Hq/Hkv heads, D head dim, L cache capacity.
 """
