@@ -14,7 +14,9 @@ position conditioned on the token chosen at the previous position:
     k_c   = W_k E(c)                             W_k: selector.k_proj.weight (S, H)
     score = draft_logit_c + q_i . k_c / sqrt(S)
     chosen_i = argmax_c score                    (chosen_0's previous token is the block anchor)
-With W_q = W_k = 0 it is the plain argmax; training teaches it the in-block dependencies.
+It starts as the plain argmax (W_q = 0, W_k random so gradients flow); training teaches it the
+in-block dependencies (worker/dflash/train.py: cross-entropy over the top-C, teacher-forced on the
+previous true token, which is the previous choice whenever acceptance can still continue).
 Shapes: B rows, C candidates, S selector width, H hidden.
 """
 
@@ -80,8 +82,10 @@ class Selector(nn.Module):
         super().__init__()
         self.q_proj = nn.Linear(2 * c.hidden_size, c.selector_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, c.selector_dim, bias=False)
+        # W_q = 0: an untrained selector is the plain argmax. W_k random (not 0): the score is
+        # bilinear in the two, so with both at 0 every gradient is 0 and the selector never trains
         nn.init.zeros_(self.q_proj.weight)
-        nn.init.zeros_(self.k_proj.weight)
+        nn.init.normal_(self.k_proj.weight, std=c.hidden_size ** -0.5)
 
     def scores(self, h: torch.Tensor, prev_emb: torch.Tensor, cand_emb: torch.Tensor,
                cand_logits: torch.Tensor) -> torch.Tensor:

@@ -194,7 +194,7 @@ def write_metadata(path: str | Path, base: AlpamayoConfig, provenance: dict[str,
 
 
 def head_config_for(base: AlpamayoConfig, mask_token_id: int, num_layers: int = 1,
-                    target_layer_ids: tuple[int, ...] | None = None, num_candidates: int = 4,
+                    target_layer_ids: tuple[int, ...] | None = None, num_candidates: int = 16,
                     selector_dim: int = 32) -> HeadConfig:
     """A head config matching `base`: the draft layers have the target's width and head layout.
 
