@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers.initialization import no_init_weights
 
 from worker.model.config import AlpamayoConfig, CheckpointError
 
@@ -102,6 +103,10 @@ def validate_layout(path: str | Path) -> tuple[AlpamayoConfig, dict[str, TensorI
                 raise CheckpointError(f"{label}: {INDEX_FILE} lists {name} in {shard}, which does not hold it")
             if tensors[name].shard != shard:
                 raise CheckpointError(f"{label}: {INDEX_FILE} puts {name} in {shard}, found in {tensors[name].shard}")
+        unlisted = sorted(set(tensors) - set(weight_map))
+        if unlisted:
+            raise CheckpointError(f"{label}: {tensors[unlisted[0]].shard} holds {unlisted[0]}, which {INDEX_FILE} "
+                                  f"does not list ({len(unlisted)} such tensor(s)): regenerate the index")
     elif len(shard_names) > 1:
         raise CheckpointError(f"{label}: {len(shard_names)} shards but no {INDEX_FILE}")
     return cfg, tensors
@@ -144,7 +149,9 @@ def default_dtype(dtype: torch.dtype):
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16):
-    """Validate, then build the model on `device` in `dtype` and copy the shards in one at a time.
+    """Validate, then build the model on `device` in `dtype` without initialising its weights
+    (transformers' `no_init_weights`: no random pass over the parameters) and copy the shards in
+    one at a time, so each byte of the checkpoint is read once and host memory holds one shard.
 
     Returns (model, cfg). Loading never unpickles: safetensors only.
     """
@@ -155,7 +162,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     path = Path(path)
     cfg, tensors = validate_layout(path)
     check_tensors(cfg, tensors, path)
-    with default_dtype(dtype), torch.device(device):
+    with default_dtype(dtype), torch.device(device), no_init_weights():
         model = Alpamayo2(cfg)
     model.eval().requires_grad_(False)
     params = model.state_dict()

@@ -285,3 +285,33 @@ def test_frames_shrunk_at_intake_give_the_same_results(rt):
     assert a.texts == b.texts and np.array_equal(a.trajectories, b.trajectories)
     small = scene(4).frames[0]
     assert rt.image_proc.shrink(small).dtype == np.uint8 and np.array_equal(rt.image_proc.shrink(small), small)
+
+
+def test_refuses_index_that_omits_a_tensor_a_shard_holds(ckpt, tmp_path):
+    d = copy_ckpt(ckpt, tmp_path)
+    idx = json.loads((d / "model.safetensors.index.json").read_text())
+    name = sorted(idx["weight_map"])[5]
+    del idx["weight_map"][name]
+    (d / "model.safetensors.index.json").write_text(json.dumps(idx))
+    with pytest.raises(CheckpointError, match="does not list") as e:
+        validate_layout(d)
+    assert name in str(e.value) and "\n" not in str(e.value)
+
+
+def test_loading_never_initialises_weights_randomly(ckpt, monkeypatch):
+    """The model is built without an initialisation pass (each checkpoint byte is written once):
+    no random fill of any real (non-meta) tensor while loading."""
+    fills = []
+    for method in ("uniform_", "normal_", "trunc_normal_"):
+        orig = getattr(torch.Tensor, method, None)
+        if orig is None:
+            continue
+
+        def counting(self, *a, _orig=orig, **kw):
+            if self.device.type != "meta" and self.numel() > 1:
+                fills.append(tuple(self.shape))
+            return _orig(self, *a, **kw)
+        monkeypatch.setattr(torch.Tensor, method, counting)
+    model, _ = load_model(ckpt, device="cpu", dtype=torch.float32)
+    assert fills == [], f"{len(fills)} random fills, e.g. {fills[:3]}"
+    assert all(torch.isfinite(p).all() for p in model.parameters())
