@@ -30,7 +30,7 @@ from worker.model.generate import Speculator, baseline_decode, start_batch
 from worker.model.graphs import GraphCache, bucket
 from worker.model.inputs import ImageProcessing, PromptBuilder, PromptSpec, mrope_positions
 from worker.model.sampling import SamplingParams, sample_key
-from worker.model.tokenizer import load_tokenizer
+from worker.model.tokenizer import generation_stop_ids, load_tokenizer
 from worker.model.trajectory_tokens import future_tokenizer_from_config, history_tokenizer_from_config
 
 TRAJECTORY_MAX_NEW = 256
@@ -127,6 +127,7 @@ class AlpamayoRuntime:
         self.device = device
         self.dtype = dtype
         self.speculator = speculator
+        self.stop_ids: tuple[int, ...] = ()      # generation_config.json eos ids (text tasks)
         self.max_model_len = max_model_len
         self.share_prefill = True
         self.graphs = GraphCache(enabled=False)
@@ -165,7 +166,9 @@ class AlpamayoRuntime:
         tok, ids = load_tokenizer(checkpoint, cfg)
         image_proc = ImageProcessing.from_dir(Path(checkpoint), cfg.min_pixels, cfg.max_pixels)
         speculator = speculator_factory(model, cfg, device, dtype) if speculator_factory else None
-        return cls(model, cfg, tok, ids, image_proc, device, dtype, speculator, max_model_len)
+        rt = cls(model, cfg, tok, ids, image_proc, device, dtype, speculator, max_model_len)
+        rt.stop_ids = generation_stop_ids(checkpoint, int(cfg.text["vocab_size"]))
+        return rt
 
     # ------------------------------------------------------------------ per-scene preparation
     def _prepare(self, req: SceneRequest) -> _Prepared:
@@ -320,9 +323,9 @@ class AlpamayoRuntime:
         if task == "trajectory":
             banned, terminal = self._banned_traj, [ids.traj_future_start]
         elif task == "meta_action":
-            banned, terminal = self._banned_text, [ids.traj_future_start, ids.im_end, ids.endoftext]
+            banned, terminal = self._banned_text, [ids.traj_future_start, ids.im_end, ids.endoftext, *self.stop_ids]
         else:
-            banned, terminal = self._banned_text, [ids.im_end, ids.endoftext]
+            banned, terminal = self._banned_text, [ids.im_end, ids.endoftext, *self.stop_ids]
         with _Clock(dev) as c_decode:
             batch = start_batch(cache, rep(plens), first_logits, rep([p.rope_delta for p in ok]), params, banned,
                                 torch.tensor(terminal, device=dev), rep(max_new, 1), real_rows=real)

@@ -8,10 +8,16 @@ so the ids come out as the release's. Resolved ids are checked against config `t
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
 from worker.model.config import (FUTURE_BINS, HISTORY_BINS, SPECIAL_TOKENS, AlpamayoConfig,
                                  CheckpointError, TokenIds)
+
+log = logging.getLogger("alpamayo.model")
+GENERATION_CONFIG = "generation_config.json"
+NEUTRAL_PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 QWEN_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|vision_start|>", "<|vision_end|>",
                "<|image_pad|>")
@@ -74,3 +80,27 @@ def load_tokenizer(path: str | Path, cfg: AlpamayoConfig):
         raise CheckpointError(f"checkpoint {path}: vlm_config.image_token_id={image_token} but the "
                               f"tokenizer gives <|image_pad|> id {ids.image_pad}")
     return tok, ids
+
+
+def generation_stop_ids(path: str | Path, vocab_size: int) -> tuple[int, ...]:
+    """The stop ids of the checkpoint's generation_config.json (`eos_token_id`, one id or a list),
+    which end text-task generation besides the built-in ones; () without the file. Penalties
+    this worker does not apply are logged. Raises CheckpointError on an unreadable file or ids
+    outside the vocabulary."""
+    f = Path(path) / GENERATION_CONFIG
+    if not f.is_file():
+        return ()
+    label = f"checkpoint {path}: {GENERATION_CONFIG}"
+    try:
+        conf = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"{label} is not valid JSON") from None
+    raw = conf.get("eos_token_id") if isinstance(conf, dict) else None
+    ids = [raw] if isinstance(raw, int) else list(raw) if isinstance(raw, list) else []
+    if raw is not None and not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids):
+        raise CheckpointError(f"{label} eos_token_id={raw!r} is not a token id (or list of ids) below {vocab_size}")
+    for name, neutral in NEUTRAL_PENALTIES.items():
+        if isinstance(conf, dict) and conf.get(name, neutral) != neutral:
+            log.warning("%s sets %s=%s, which this worker does not apply (outputs follow the logits)",
+                        label, name, conf[name])
+    return tuple(dict.fromkeys(ids))

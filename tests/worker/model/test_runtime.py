@@ -315,3 +315,23 @@ def test_loading_never_initialises_weights_randomly(ckpt, monkeypatch):
     model, _ = load_model(ckpt, device="cpu", dtype=torch.float32)
     assert fills == [], f"{len(fills)} random fills, e.g. {fills[:3]}"
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_generation_config_stop_ids_end_text_tasks(ckpt, tmp_path):
+    """eos_token_id of generation_config.json ends text-task generation like the built-in stops."""
+    d = copy_ckpt(ckpt, tmp_path)
+    plain = AlpamayoRuntime.load(d, device="cpu", dtype=torch.float32)
+    req = scene(4, task="vqa", max_tokens=12)
+    toks = plain.run([req])[0].token_ids[0]
+    assert len(toks) > 2
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [toks[1]], "do_sample": False}))
+    stopped = AlpamayoRuntime.load(d, device="cpu", dtype=torch.float32)
+    assert stopped.stop_ids == (toks[1],)
+    assert stopped.run([req])[0].token_ids[0] == toks[:toks.index(toks[1]) + 1]
+
+
+def test_generation_config_with_bad_ids_is_refused(ckpt, tmp_path):
+    d = copy_ckpt(ckpt, tmp_path)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [10 ** 9]}))
+    with pytest.raises(CheckpointError, match="generation_config.json eos_token_id"):
+        AlpamayoRuntime.load(d, device="cpu", dtype=torch.float32)
