@@ -105,13 +105,19 @@ class ImageProcessing:
         return h, w
 
     def _resize(self, frames: torch.Tensor) -> torch.Tensor:
-        """(N, H, W, 3) uint8 -> (N, 3, th, tw) fp32 in [0, 1]: float resize of x/255 (bicubic,
-        antialiased) to `target_size`. Each image is resized on its own (batching is exact)."""
+        """(N, H, W, 3) uint8 -> (N, 3, th, tw) fp32 in [0, 1], resized to `target_size` as
+        transformers' Qwen2-VL/Qwen3-VL processor resizes (PIL's bicubic with antialiasing on
+        8-bit images): a horizontal then a vertical pass, each rounded to 8 bits, then x/255.
+        Each image is resized on its own (batching is exact)."""
         th, tw = self.target_size(frames.shape[1], frames.shape[2])
-        x = frames.permute(0, 3, 1, 2).float() / 255.0
-        if (th, tw) != tuple(x.shape[2:]):
-            x = F.interpolate(x, size=(th, tw), mode="bicubic", antialias=True, align_corners=False)
-        return x
+        x = frames.permute(0, 3, 1, 2).float()
+        if tw != x.shape[3]:
+            x = F.interpolate(x, size=(x.shape[2], tw), mode="bicubic", antialias=True,
+                              align_corners=False).round_().clamp_(0, 255)
+        if th != x.shape[2]:
+            x = F.interpolate(x, size=(th, tw), mode="bicubic", antialias=True,
+                              align_corners=False).round_().clamp_(0, 255)
+        return x / 255.0
 
     def shrink(self, frame: np.ndarray) -> np.ndarray:
         """One decoded frame (H, W, 3) uint8 -> what is worth keeping until the batch runs.
@@ -130,8 +136,8 @@ class ImageProcessing:
         """frames (N, H, W, 3) uint8, or fp32 frames already resized by `shrink` (one size)
         -> pixel_values (N*gh*gw, 3*T*P*P) fp32, grid (N, 3).
 
-        Float resize of x/255 (bicubic, antialiased), normalise, patchify in the exact order of
-        transformers' Qwen2-VL processor (each still image duplicated over the temporal patch).
+        Resize as transformers' processor does (`_resize`), normalise, patchify in the exact order
+        of transformers' Qwen2-VL processor (each still image duplicated over the temporal patch).
         """
         n = frames.shape[0]
         if frames.dtype == torch.uint8:
