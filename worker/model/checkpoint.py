@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import struct
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from transformers.initialization import no_init_weights
 
 from worker.model.config import AlpamayoConfig, CheckpointError
 
+log = logging.getLogger("alpamayo.model")
 REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "preprocessor_config.json")
 INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
@@ -166,11 +170,24 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         model = Alpamayo2(cfg)
     model.eval().requires_grad_(False)
     params = model.state_dict()
-    for shard in sorted({t.shard for t in tensors.values()}):
+    shards = sorted({t.shard for t in tensors.values()})
+    total = sum((path / s).stat().st_size for s in shards)
+    done, t0 = 0, time.perf_counter()
+    for i, shard in enumerate(shards):
         part = load_file(str(path / shard), device=str(device))
         for name, value in part.items():
             params[name].copy_(value)
         del part
+        done += (path / shard).stat().st_size
+        rate = done / max(time.perf_counter() - t0, 1e-9) / 1e9
+        if sys.stderr.isatty():           # a progress bar on a terminal, a log line per shard otherwise
+            bar = "#" * int(30 * done / total)
+            print(f"\rloading {path.name}: [{bar:30s}] {i + 1}/{len(shards)} shards, {done / 1e9:.1f}/"
+                  f"{total / 1e9:.1f} GB, {rate:.2f} GB/s", end="" if i + 1 < len(shards) else "\n",
+                  file=sys.stderr, flush=True)
+        else:
+            log.info("loaded shard %d/%d %s (%.2f of %.2f GB, %.2f GB/s)", i + 1, len(shards), shard,
+                     done / 1e9, total / 1e9, rate)
     return model, cfg
 
 

@@ -335,3 +335,12 @@ def test_generation_config_with_bad_ids_is_refused(ckpt, tmp_path):
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [10 ** 9]}))
     with pytest.raises(CheckpointError, match="generation_config.json eos_token_id"):
         AlpamayoRuntime.load(d, device="cpu", dtype=torch.float32)
+
+
+def test_loading_logs_one_line_per_shard(ckpt, caplog):
+    shards = sorted(p.name for p in ckpt.glob("*.safetensors"))
+    with caplog.at_level("INFO", logger="alpamayo.model"):
+        load_model(ckpt, device="cpu", dtype=torch.float32)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded shard")]
+    assert len(lines) == len(shards) > 1
+    assert lines[-1].startswith(f"loaded shard {len(shards)}/{len(shards)} {shards[-1]}") and "GB/s" in lines[-1]
