@@ -143,6 +143,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     if head and not profile.endswith("-dflash2"):
         raise ConfigError(f"NIM_ALPAMAYO_SPECULATIVE_MODEL is set but the profile is the baseline {profile}: "
                           "select NIM_MODEL_PROFILE=bf16-dflash2 or fp8-dflash2 (and unset NIM_PRECISION)")
+    for name, d, what in (("NIM_FT_CHECKPOINT", ft, "checkpoint"), ("NIM_ALPAMAYO_SPECULATIVE_MODEL", head, "DFlash2 head")):
+        if d is not None and not d.is_dir():
+            raise ConfigError(f"{name}={d} is not a directory: point it at the {what} directory, or unset it")
     spec_metrics = _choice(env, "NIM_ALPAMAYO_SPEC_METRICS", SPEC_METRICS,
                            "summary" if profile.endswith("-dflash2") else "none")
     if not profile.endswith("-dflash2"):

@@ -188,3 +188,9 @@ def test_bad_gpu_memory_fraction(value):
 def test_gpu_memory_fraction_default_and_value():
     assert load_settings({}).gpu_memory_fraction == 0.90
     assert load_settings({"ALPAMAYO_GPU_MEMORY_FRACTION": "0.5"}).gpu_memory_fraction == 0.5
+
+
+@pytest.mark.parametrize("name", ["NIM_FT_CHECKPOINT", "NIM_ALPAMAYO_SPECULATIVE_MODEL"])
+def test_missing_directories_name_their_variable(name, tmp_path):
+    refused({name: str(tmp_path / "nope"), "NIM_MODEL_PROFILE": "bf16-dflash2"}, f"{name}={tmp_path / 'nope'}",
+            "is not a directory")
