@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from typing import Any, Sequence
 
@@ -393,12 +394,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("aiokafka").setLevel(max(level, logging.WARNING))
         log_filter.install()
     try:
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
+        sys.stdout.flush()                   # a closed pipe shows here, not at interpreter exit
+        return code
     except (ToolError, ConfigError) as exc:
         die(str(exc))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:                  # `alpamayo-producer audit ... | head`: the reader left
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141                           # 128 + SIGPIPE, as a shell pipeline reports it
     except Exception as exc:  # Kafka errors: one line, not a traceback
         from aiokafka.errors import KafkaError
 

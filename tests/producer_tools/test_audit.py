@@ -1,5 +1,9 @@
 """producer_tools.audit: a run's manifest reconciled with the lake (missing, failed, recovered, duplicated)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from producer_tools import audit as A
@@ -8,6 +12,7 @@ from producer_tools.cli import main
 from producer_tools.common import ToolError
 from producer_tools.run_manifest import RunManifest
 
+from tests import REPO_ROOT
 from tests.producer_tools.sink_harness import synthetic_lake
 
 
@@ -35,3 +40,14 @@ async def test_audit_reports_missing_failed_duplicated(tmp_path):
     assert not dup.complete and len(dup.lake_duplicates) == 1
     with pytest.raises(ToolError, match="no run manifest"):
         A.audit_run("nope", str(lake), runs_dir=str(runs))
+
+
+async def test_audit_into_a_closed_pipe_ends_quietly(tmp_path):
+    """`alpamayo-producer audit ... | head`: the reader leaves early; no BrokenPipeError traceback."""
+    lake, run, runs = await synthetic_lake(tmp_path)
+    cmd = (f"{sys.executable} -m producer_tools audit {run} --lake {lake} --runs-dir {runs} "
+           f"| {sys.executable} -c 'import sys; sys.stdin.close()'")
+    for _ in range(3):
+        proc = subprocess.run(cmd, shell=True, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+        assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
