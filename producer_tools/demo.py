@@ -204,7 +204,8 @@ def _plot(items, results, path: Path) -> None:
             scenes.append(generate_scene(seed))
             preds.append(np.asarray(r.pred_trajectories, dtype=np.float32))
     if scenes:
-        bev_plot(scenes, preds, path)
+        k = sorted({len(p) for p in preds})
+        bev_plot(scenes, preds, path, title=f"make demo: bf16-dflash2 (demo checkpoint), K={','.join(map(str, k))}")
 
 
 if __name__ == "__main__":

@@ -305,7 +305,8 @@ def _plots(out: Path, rows: list[dict], ms: list[Measurement], scenes: list, pre
         for prof, name in (("dflash2", "bev_trajectories"), ("baseline", "bev_baseline")):
             pr = preds["trajectory"].get(prof, {})
             shown = [s for s in scenes if s.scene_id in pr]
-            paths[name] = str(bev_plot(shown, [pr[s.scene_id] for s in shown], out / f"{name}.png"))
+            paths[name] = str(bev_plot(shown, [pr[s.scene_id] for s in shown], out / f"{name}.png",
+                                       title=f"qualify: {prof} profile, trajectory task"))
     return paths
 
 

@@ -38,7 +38,7 @@ from worker.scenes.facts import sample_facts
 from worker.scenes.files import decode_scene, encode_scene, read_scene, write_scene, write_scenes
 from worker.scenes.generate import generate_scene, iter_scenes
 from worker.scenes.planner import ego_history, plan_future
-from worker.scenes.plots import bev_plot, distribution_report
+from worker.scenes.plots import bev_figure, bev_plot, distribution_report
 from worker.scenes.render import lead_bbox, render_images
 from worker.scenes.structs import (CAMERA_NAMES, FRAME_OFFSETS_S, FUTURE_TIMES_S, GROUNDING_QUESTION,
                                    HISTORY_TIMES_S, LIGHT_STATES, OtherVehicle, Plan, Scene, SceneFacts,
@@ -75,5 +75,6 @@ __all__ = [
     "read_scene",
     "write_scenes",
     "distribution_report",
+    "bev_figure",
     "bev_plot",
 ]

@@ -38,10 +38,28 @@ def distribution_report(n: int = 500, seed0: int = 0) -> dict[str, dict[str, flo
 
 
 def bev_plot(scenes: Sequence[Scene], predictions: Sequence | None = None,
-             path: str | os.PathLike = "bev.png", *, ncols: int | None = None) -> Path:  # fmt: skip
-    """Bird's-eye grid: history (grey), planner future (blue), optional predicted samples
-    (orange; per scene an array-like of shape (K, 64, >=2) or (64, >=2), or None), lead vehicle
-    at t0 and stop line. Forward is up, left is left."""
+             path: str | os.PathLike = "bev.png", *, ncols: int | None = None,
+             title: str | None = None) -> Path:  # fmt: skip
+    """Bird's-eye grid written to `path` (PNG): see `bev_figure`."""
+    import matplotlib.pyplot as plt  # heavy optional dependency: only plots need it
+
+    fig = bev_figure(scenes, predictions, ncols=ncols, title=title)
+    out = Path(path)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+SAMPLE_COLORS = ("tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
+
+
+def bev_figure(scenes: Sequence[Scene], predictions: Sequence | None = None, *, ncols: int | None = None,
+               title: str | None = None):
+    """Bird's-eye grid, one panel per scene, axes in metres (forward up, left to the left): ego
+    history (grey), ground-truth future (blue), each predicted sample in its own colour and
+    labelled (per scene an array-like of shape (K, 64, >=2) or (64, >=2), or None), lead vehicle
+    at t0, stop line, pedestrian and blocked lane; a legend per panel and `title` (e.g. the
+    profile) above the grid. Returns the matplotlib figure."""
     import matplotlib  # heavy optional dependency: only plots need it
 
     matplotlib.use("Agg")
@@ -50,7 +68,7 @@ def bev_plot(scenes: Sequence[Scene], predictions: Sequence | None = None,
     n = max(1, len(scenes))
     ncols = ncols or int(math.ceil(math.sqrt(n)))
     nrows = int(math.ceil(n / ncols))
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.0 * ncols, 3.6 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.4 * ncols, 3.9 * nrows + (0.4 if title else 0)), squeeze=False)
     for idx, ax in enumerate(axes.flat):
         if idx >= len(scenes):
             ax.axis("off")
@@ -67,31 +85,35 @@ def bev_plot(scenes: Sequence[Scene], predictions: Sequence | None = None,
         if f.traffic_light != "none":
             x0, y0 = arc_point(k, f.stop_line_distance, -ROAD_HALF_WIDTH)
             x1, y1 = arc_point(k, f.stop_line_distance, ROAD_HALF_WIDTH)
-            ax.plot([-y0, -y1], [x0, x1], color={"green": "g", "yellow": "y", "red": "r"}[f.traffic_light], lw=2)
+            ax.plot([-y0, -y1], [x0, x1], color={"green": "g", "yellow": "y", "red": "r"}[f.traffic_light], lw=2,
+                    label=f"stop line ({f.traffic_light} light)")
         if f.lead_present:
             x, y = arc_point(k, f.lead_gap + LEAD_LENGTH / 2, 0.0)
-            ax.plot([-y], [x], marker="s", ms=7, color="k")
+            ax.plot([-y], [x], marker="s", ms=7, color="k", ls="none", label="lead vehicle (t0)")
         if f.pedestrian_crossing:
             x, y = arc_point(k, f.pedestrian_distance, 0.0)
-            ax.plot([-y], [x], marker="*", ms=9, color="m")
+            ax.plot([-y], [x], marker="*", ms=9, color="m", ls="none", label="pedestrian")
         if f.blocked_lane:
             dlat = 0.0 if f.blocked_lane_kind == "ego" else (LANE_WIDTH if f.blocked_lane_side == "left" else -LANE_WIDTH)
             x, y = arc_point(k, f.blocked_distance, dlat)
-            ax.plot([-y], [x], marker="X", ms=8, color="orange")
+            ax.plot([-y], [x], marker="X", ms=8, color="orange", ls="none", label="blocked lane")
         if predictions is not None and idx < len(predictions) and predictions[idx] is not None:
             pr = np.asarray(predictions[idx], dtype=np.float64)
             if pr.ndim == 2:
                 pr = pr[None]
-            for smp in pr:
-                ax.plot(-smp[:, 1], smp[:, 0], color="tab:orange", lw=1.0, alpha=0.7)
-        ax.plot(-h[:, 1], h[:, 0], color="0.4", lw=2)
-        ax.plot(-fu[:, 1], fu[:, 0], color="tab:blue", lw=1.6)
-        ax.plot([0], [0], marker="o", ms=4, color="k")
+            for j, smp in enumerate(pr):
+                ax.plot(-smp[:, 1], smp[:, 0], color=SAMPLE_COLORS[j % len(SAMPLE_COLORS)], lw=1.1, alpha=0.8,
+                        label=f"sample {j + 1}")
+        ax.plot(-h[:, 1], h[:, 0], color="0.4", lw=2, label="ego history")
+        ax.plot(-fu[:, 1], fu[:, 0], color="tab:blue", lw=1.6, label="ground truth (6.4 s)")
+        ax.plot([0], [0], marker="o", ms=4, color="k", ls="none")
         ax.set_aspect("equal", adjustable="datalim")
         ax.set_title(f"{sc.scene_id}\n{f.traffic_light} light, lead {f.lead_relation}", fontsize=7)
+        ax.set_xlabel("lateral (m, left +)", fontsize=6)
+        ax.set_ylabel("forward (m)", fontsize=6)
         ax.tick_params(labelsize=6)
+        ax.legend(fontsize=5, loc="upper left", framealpha=0.7)
+    if title:
+        fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
+    return fig

@@ -383,9 +383,26 @@ def test_large_image_size_payload():
 def test_bev_plot(tmp_path, scenes_64):
     preds = [None, np.asarray(scenes_64[1].ego_future_xyz)[None].repeat(3, 0) + 0.5]
     preds += [np.asarray(sc.ego_future_xyz) for sc in scenes_64[2:6]]
-    out = S.bev_plot(scenes_64[:6], preds, tmp_path / "bev.png")
+    out = S.bev_plot(scenes_64[:6], preds, tmp_path / "bev.png", title="bf16-dflash2")
     im = Image.open(out)
     assert im.format == "PNG" and im.size[0] > 200
+
+
+def test_bev_figure_is_labelled(scenes_64):
+    """Axes in metres, a legend naming ground truth, history and every sample, the profile in the title."""
+    import matplotlib.pyplot as plt
+
+    preds = [np.asarray(scenes_64[0].ego_future_xyz)[None].repeat(3, 0) + 0.5, None]
+    fig = S.bev_figure(scenes_64[:2], preds, title="fp8-dflash2, K=3")
+    try:
+        ax0, ax1 = fig.axes[:2]
+        assert "(m" in ax0.get_xlabel() and "(m)" in ax0.get_ylabel()
+        labels = [t.get_text() for t in ax0.get_legend().get_texts()]
+        assert {"ground truth (6.4 s)", "ego history", "sample 1", "sample 2", "sample 3"} <= set(labels)
+        assert not any(t.get_text().startswith("sample") for t in ax1.get_legend().get_texts())
+        assert fig._suptitle.get_text() == "fp8-dflash2, K=3"
+    finally:
+        plt.close(fig)
 
 
 # ------------------------------------------------------------------------------------------
