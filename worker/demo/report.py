@@ -182,7 +182,7 @@ def write_bev(directory: Path, scenes: Sequence, preds: Sequence, n_plot: int = 
     predicted samples), drawn by `worker.scenes.bev_plot`."""
     pick = [i for i, p in enumerate(preds) if p is not None][:n_plot]
     return bev_plot([scenes[i] for i in pick], [preds[i] for i in pick], Path(directory) / "bev.png",
-                    title="demo checkpoint, held-out scenes, baseline profile (fp32 CPU)")
+                    title="demo checkpoint: held-out scenes, baseline profile")
 
 
 def write_quality(directory: Path, metrics: dict, build: dict) -> dict:
