@@ -116,7 +116,7 @@ def edit_config(d, fn):
 
 def test_head_ok(head, base_cfg):
     c = check_head(head, base_cfg)
-    assert c.block_size == 8 and c.num_candidates == 4
+    assert c.block_size == 8 and c.num_candidates == 16
 
 
 def test_head_missing_dir(base_cfg, tmp_path):
