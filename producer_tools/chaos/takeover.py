@@ -6,7 +6,8 @@ worker A is SIGSTOPped while it holds fetched, unanswered records and
 its engine is computing, for longer than the session timeout; worker B takes A's partitions over
 (its per-partition producers fence A's) and answers everything; A is SIGCONTed. Promise: nothing
 lost, nothing duplicated under read_committed, and A's late transaction fenced (its log names the
-fencing) - A exits and is restarted by the harness (supervisor), which is expected.
+fencing) - A then exits 1 by itself and is restarted by the harness (a supervisor), which is
+expected; the final drain is the restarted A's.
 
 ``same-host``: both workers without ``ALPAMAYO_GROUP_INSTANCE_ID`` and ``ALPAMAYO_WORKER_ID``
 (the defaults of two containers or processes on one host). Promise: both serve (each publishes
@@ -34,6 +35,7 @@ log = logging.getLogger("alpamayo.chaos")
 DEFAULT_IDENTITY = {"ALPAMAYO_GROUP_INSTANCE_ID": "", "ALPAMAYO_WORKER_ID": ""}
 FENCED = re.compile(r"ProducerFenced|InvalidProducerEpoch|fenced", re.IGNORECASE)
 SESSION_TIMEOUT_S = 10.0       # aiokafka's default session.timeout.ms (the worker keeps it)
+ZOMBIE_EXIT_WAIT_S = 120.0     # a fenced zombie stops: its consumer leaves within the rebalance timeout
 
 
 def second_worker(pl: Pipeline, name: str, **env: str) -> Managed:
@@ -128,14 +130,20 @@ async def run_zombie(broker: Broker, *, scenes: int = 40, guarantee: str = "exac
                 f.failures.append("worker B did not answer the run while A was paused")
             f.extra["paused"] = f"{time.monotonic() - t_stop:.1f}s (session timeout {SESSION_TIMEOUT_S:.0f}s)"
             os.kill(a_pid, signal.SIGCONT)
-            a.supervise = True
-            await asyncio.sleep(SESSION_TIMEOUT_S)   # A resumes: its late transaction meets B's producers
-            await pl.settle(timeout)
+            a.supervise = True                        # a fenced zombie exits; restarted as a pod would be
+            t_cont = time.monotonic()
+            while time.monotonic() - t_cont < ZOMBIE_EXIT_WAIT_S and not a.unplanned_exits:
+                await asyncio.sleep(0.2)             # A resumes: its late transaction meets B's producers
+            exited = f"exited {a.exit_codes} after {time.monotonic() - t_cont:.0f}s" if a.unplanned_exits else \
+                f"still running {ZOMBIE_EXIT_WAIT_S:.0f}s after SIGCONT"
             fenced = FENCED.search(_logs(a))
-            f.extra["zombie after SIGCONT"] = (f"fenced ({fenced.group(0)}), exits {a.exit_codes}" if fenced else
-                                               f"no fencing logged, exits {a.exit_codes}")
+            f.extra["zombie after SIGCONT"] = (f"fenced ({fenced.group(0)}), {exited}" if fenced else
+                                               f"no fencing logged, {exited}")
             if not fenced:
                 f.failures.append("the zombie resumed without its late transaction being fenced")
+            if a.unplanned_exits:
+                await a.wait_ready(timeout)           # the restarted A rejoins; the final drain is its
+            await pl.settle(timeout)
             f.extra["worker B exit"] = await b.terminate(120)
             if f.extra["worker B exit"] != 0:
                 f.failures.append(f"worker B's drain exited {f.extra['worker B exit']}")

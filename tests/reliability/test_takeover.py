@@ -23,7 +23,8 @@ async def test_zombie_paused_past_the_session_timeout_is_fenced(kafka_bootstrap,
     print("\n" + format_table([fig]), fig.extra)
     assert fig.published == 24 and fig.lost == 0 and fig.answered == 24
     assert fig.duplicated == 0 and fig.lake_duplicates == 0
-    assert fig.extra["zombie after SIGCONT"].startswith("fenced"), fig.extra
+    assert fig.extra["zombie after SIGCONT"].startswith("fenced") and "exited [1]" in fig.extra["zombie after SIGCONT"]
+    assert fig.unplanned_exits == 1, fig.extra          # the fenced zombie stopped by itself
     assert fig.final_exit_code == 0 and fig.ok, fig.failures
 
 
