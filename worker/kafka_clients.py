@@ -121,8 +121,9 @@ async def _stop_quietly(producer, timeout: float = 15.0) -> None:
 
 
 def consumer_kwargs(settings: Settings, revoke_timeout_s: float) -> dict[str, Any]:
-    """Manual commits, static membership when an instance id is set, read_committed; fetches sized to the largest accepted
-    request; a rebalance timeout that leaves a revoke ``revoke_timeout_s`` to finish its batch."""
+    """Manual commits, static membership when an instance id is set, read_committed; fetches sized
+    to the largest accepted request; a rebalance timeout that leaves a revoke ``revoke_timeout_s``
+    to finish its batch."""
     s = settings
     return dict(
         bootstrap_servers=s.bootstrap_servers, group_id=s.group_id, group_instance_id=instance_id(s),
