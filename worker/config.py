@@ -240,7 +240,7 @@ VARIABLES: dict[str, str] = {
     "ALPAMAYO_RESULT_TOPIC": "results, keyed by request_id (default alpamayo.results)",
     "ALPAMAYO_DEAD_LETTER_TOPIC": "dead letters (default alpamayo.dead-letters)",
     "ALPAMAYO_GROUP_ID": "consumer group (default alpamayo-workers)",
-    "ALPAMAYO_GROUP_INSTANCE_ID": "static group membership id and transactional id base (e.g. the pod name)",
+    "ALPAMAYO_GROUP_INSTANCE_ID": "static group membership id (e.g. the pod name); unset: dynamic membership",
     "ALPAMAYO_KAFKA_SECURITY_PROTOCOL": "PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL",
     "ALPAMAYO_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512 (default with SASL) | SCRAM-SHA-256 | PLAIN",
     "ALPAMAYO_KAFKA_SASL_USERNAME": "SASL user",

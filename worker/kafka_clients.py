@@ -1,5 +1,7 @@
-"""How the worker's Kafka clients are configured: security settings, the startup preflight, and
-the producer's and consumer's keyword arguments (static membership, transactional id).
+"""How the worker's Kafka clients are configured: security settings, the startup preflight, the
+producer's and consumer's keyword arguments (static membership only when the operator sets an
+instance id), and the exactly_once producers, one per assigned input partition
+(:class:`PartitionProducers`, see docs/architecture.md "Exactly-once across rebalances").
 
 :func:`security_kwargs` is the one builder of the SASL/SSL settings: the producer tools'
 Kafka clients are built with it as well.
@@ -12,6 +14,7 @@ import ssl
 from pathlib import Path
 from typing import Any, Protocol
 
+from aiokafka import AIOKafkaProducer
 from aiokafka.conn import create_conn
 from aiokafka.errors import KafkaError, SaslAuthenticationFailed
 from aiokafka.helpers import create_ssl_context
@@ -19,7 +22,7 @@ from aiokafka.helpers import create_ssl_context
 from worker.config import DEFAULT_SASL_MECHANISM, ConfigError, Settings
 
 __all__ = ["KafkaSecurity", "security_kwargs", "instance_id", "transactional_id", "producer_kwargs",
-           "consumer_kwargs", "kafka_preflight"]
+           "consumer_kwargs", "kafka_preflight", "PartitionProducers"]
 
 
 class KafkaSecurity(Protocol):
@@ -45,28 +48,82 @@ def security_kwargs(sec: KafkaSecurity) -> dict[str, Any]:
     return kw
 
 
-def instance_id(settings: Settings) -> str:
-    """The static group member id: ALPAMAYO_GROUP_INSTANCE_ID, else the worker id."""
-    return settings.group_instance_id or settings.worker_id
+def instance_id(settings: Settings) -> str | None:
+    """The static group member id: ALPAMAYO_GROUP_INSTANCE_ID, else None (dynamic membership).
+    Never derived from the host name: two workers on one host (one per GPU) would claim the same
+    static member and take each other's partitions."""
+    return settings.group_instance_id
 
 
-def transactional_id(settings: Settings) -> str:
-    """Stable per static member: a restarted worker fences its own zombie."""
-    return f"{settings.group_id}.{instance_id(settings)}"
+def transactional_id(group_id: str, topic: str, partition: int) -> str:
+    """exactly_once: the transactional id of input partition ``topic:partition`` of the group. Whoever
+    owns the partition next starts a producer of the same id, which fences the previous owner."""
+    return f"{group_id}.{topic}.{partition}"
 
 
-def producer_kwargs(settings: Settings) -> dict[str, Any]:
-    """Idempotent, acks=all; transactional (exactly_once) with :func:`transactional_id`."""
+def producer_kwargs(settings: Settings, tp: tuple[str, int] | None = None) -> dict[str, Any]:
+    """Idempotent, acks=all; with ``tp`` (exactly_once) transactional with :func:`transactional_id`."""
     kw = dict(bootstrap_servers=settings.bootstrap_servers, client_id=f"alpamayo-{settings.worker_id}", acks="all",
               enable_idempotence=True, linger_ms=5, **security_kwargs(settings))
-    if settings.processing_guarantee == "exactly_once":
-        kw["transactional_id"] = transactional_id(settings)
+    if tp is not None:
+        kw["transactional_id"] = transactional_id(settings.group_id, *tp)
     return kw
 
 
+class PartitionProducers:
+    """exactly_once: one started transactional producer per assigned input partition.
+
+    :meth:`open` on assignment: starting a producer sends InitProducerId, which bumps the epoch of
+    the partition's transactional id - the previous owner's producer (a zombie paused past the
+    session timeout) is fenced and its open transaction aborted before the new owner reads the
+    committed offset. :meth:`close` on revocation. ``factory``: the producer class (tests)."""
+
+    def __init__(self, settings: Settings, factory=AIOKafkaProducer):
+        self.settings = settings
+        self.factory = factory
+        self._producers: dict[tuple[str, int], Any] = {}
+
+    def for_partition(self, tp: tuple[str, int]):
+        return self._producers.get(tp)
+
+    @property
+    def partitions(self) -> list[tuple[str, int]]:
+        return list(self._producers)
+
+    async def open(self, tps) -> None:
+        """Start the producers of ``tps`` (concurrently); raises if one fails to start."""
+        new = [tp for tp in tps if tp not in self._producers]
+        producers = {tp: self.factory(**producer_kwargs(self.settings, tp)) for tp in new}
+        results = await asyncio.gather(*(p.start() for p in producers.values()), return_exceptions=True)
+        failed = None
+        for (tp, p), res in zip(producers.items(), results, strict=True):
+            if isinstance(res, BaseException):
+                failed = failed or res
+                await _stop_quietly(p)
+            else:
+                self._producers[tp] = p
+        if failed is not None:
+            raise failed
+
+    async def close(self, tps) -> None:
+        """Stop the producers of ``tps`` (an open transaction of theirs is aborted)."""
+        await asyncio.gather(*(_stop_quietly(self._producers.pop(tp)) for tp in tps if tp in self._producers))
+
+    async def close_all(self) -> None:
+        await self.close(list(self._producers))
+
+
+async def _stop_quietly(producer, timeout: float = 15.0) -> None:
+    try:
+        await asyncio.wait_for(producer.stop(), timeout)
+    except Exception:  # closing is best effort: the next owner's InitProducerId fences it anyway
+        pass
+
+
 def consumer_kwargs(settings: Settings, revoke_timeout_s: float) -> dict[str, Any]:
-    """Manual commits, static membership, read_committed; fetches sized to the largest accepted
-    request; a rebalance timeout that leaves a revoke ``revoke_timeout_s`` to finish its batch."""
+    """Manual commits, static membership when an instance id is set, read_committed; fetches sized
+    to the largest accepted request; a rebalance timeout that leaves a revoke ``revoke_timeout_s``
+    to finish its batch."""
     s = settings
     return dict(
         bootstrap_servers=s.bootstrap_servers, group_id=s.group_id, group_instance_id=instance_id(s),

@@ -17,11 +17,14 @@ Guarantees (:class:`Publisher`)
 * ``at_least_once``: idempotent producer, ``acks=all``. A flush sends every queued output,
   waits for all acknowledgements, marks their offsets done and only then commits the
   committable offsets (``consumer.commit``). A crash between ack and commit re-delivers: a
-  duplicate result, never a lost one.
-* ``exactly_once``: transactional producer (``transactional_id`` derived from the static group
-  instance id, so a restarted worker fences its zombie). A flush is one transaction: the outputs
-  plus ``send_offsets_to_transaction`` of the offsets they complete. Readers use
-  ``read_committed``; an aborted or crashed transaction leaves neither outputs nor offsets.
+  duplicate result, never a lost one. A commit that fails (rebalance, coordinator moving) is
+  retried every ``COMMIT_RETRY_S`` even when no further output arrives.
+* ``exactly_once``: one transactional producer per assigned input partition
+  (``worker.kafka_clients.PartitionProducers``, ``transactional_id = <group>.<topic>.<partition>``),
+  so the next owner of a partition fences the previous one, zombies included. A flush is one
+  transaction per partition: the partition's outputs plus ``send_offsets_to_transaction`` of the
+  offsets they complete, through that partition's producer. Readers use ``read_committed``; an
+  aborted or crashed transaction leaves neither outputs nor offsets.
   Outputs are published per partition in offset order: an output whose partition still has an
   earlier record unfinished is held back until that record's output is ready, so a transaction
   never commits a result beyond its partition's committed offset (a restart would otherwise
@@ -40,7 +43,7 @@ from dataclasses import dataclass, field
 
 from schemas import DeadLetter, InferResult, dead_letter_key, encode_dead_letter, encode_result, result_key
 
-__all__ = ["TP", "Output", "OffsetTracker", "Publisher", "PublishError", "MAX_MESSAGE_BYTES",
+__all__ = ["TP", "Output", "OffsetTracker", "Publisher", "PublishError", "MAX_MESSAGE_BYTES", "COMMIT_RETRY_S",
            "result_output", "dead_letter_output"]
 
 log = logging.getLogger("alpamayo.publisher")
@@ -48,6 +51,8 @@ log = logging.getLogger("alpamayo.publisher")
 TP = tuple[str, int]
 MAX_MESSAGE_BYTES = 1_000_000
 """Largest output value produced (the broker's default message.max.bytes is 1,048,588)."""
+COMMIT_RETRY_S = 1.0
+"""at_least_once: how soon a failed offset commit is retried when no output arrives meanwhile."""
 
 
 class PublishError(RuntimeError):
@@ -98,6 +103,7 @@ def dead_letter_output(tp: TP, offset: int, epoch: int, topic: str, dl: DeadLett
 @dataclass
 class _Partition:
     epoch: int
+    start: int | None = None         # records below it are not this assignment's (fetched before a seek)
     pending: set[int] = field(default_factory=set)
     low: int | None = None           # lowest offset fetched (the group's position when assigned)
     high: int | None = None          # highest offset fetched
@@ -112,10 +118,12 @@ class OffsetTracker:
         self._epochs: dict[TP, int] = {}
 
     # assignment
-    def assign(self, tp: TP) -> int:
+    def assign(self, tp: TP, start: int | None = None) -> int:
+        """A new epoch of ``tp``; ``start``: the offset the consumer was positioned at (records
+        below it, or fetched twice, are refused: they were fetched before that seek)."""
         epoch = self._epochs.get(tp, 0) + 1
         self._epochs[tp] = epoch
-        self._parts[tp] = _Partition(epoch)
+        self._parts[tp] = _Partition(epoch, start)
         return epoch
 
     def revoke(self, tp: TP) -> int:
@@ -137,9 +145,11 @@ class OffsetTracker:
 
     # records
     def add(self, tp: TP, offset: int) -> int | None:
-        """A fetched record; returns the epoch, or None when the partition is not assigned."""
+        """A fetched record; returns the epoch, or None when the partition is not assigned or the
+        record is not this assignment's to process (below its start, or already fetched)."""
         part = self._parts.get(tp)
-        if part is None:
+        if part is None or (part.start is not None and offset < part.start) or \
+                (part.high is not None and offset <= part.high):
             return None
         part.pending.add(offset)
         if part.high is None or offset > part.high:
@@ -207,8 +217,10 @@ class OffsetTracker:
 class Publisher:
     """Publishes queued outputs and commits offsets; one flush at a time (a lock).
 
-    ``producer``/``consumer``: started aiokafka clients (the producer transactional in
-    exactly_once mode). ``metrics``: a WorkerMetrics (or None).
+    ``producer``: at_least_once, a started idempotent aiokafka producer; exactly_once, the
+    partitions' transactional producers (``for_partition(tp)``, a
+    ``worker.kafka_clients.PartitionProducers``). ``consumer``: the started consumer.
+    ``metrics``: a WorkerMetrics (or None).
     """
 
     def __init__(self, producer, consumer, tracker: OffsetTracker, group_id: str, exactly_once: bool,
@@ -225,11 +237,13 @@ class Publisher:
         self._wakeup = asyncio.Event()
         self._closed = False
         self._progress = asyncio.Event()
+        self._commit_failed = False         # at_least_once: the last commit failed, retry on a timer
         if tp_factory is None:
             from aiokafka import TopicPartition as tp_factory  # noqa: N813
         self._tp = tp_factory
         self.published = 0
         self.dropped_stale = 0
+        self.commit_failures = 0
 
     # ------------------------------------------------------------------ queue
     def submit(self, outputs: list[Output]) -> None:
@@ -252,11 +266,15 @@ class Publisher:
         return fresh
 
     async def run(self) -> None:
-        """Flush whenever outputs are queued, until :meth:`close`. Raises PublishError."""
+        """Flush whenever outputs are queued (and every COMMIT_RETRY_S while a commit is owed),
+        until :meth:`close`. Raises PublishError."""
         while True:
-            await self._wakeup.wait()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), COMMIT_RETRY_S if self._commit_failed else None)
+            except TimeoutError:
+                pass
             self._wakeup.clear()
-            if self._queue:
+            if self._queue or self._commit_failed:
                 await self.flush()
             if self._closed and not self._queue:
                 return
@@ -314,13 +332,17 @@ class Publisher:
             self._account(batch)
         offsets = self.tracker.committable(only=self._assigned())
         if not offsets:
+            self._commit_failed = False
             return {}
         try:
             await self.consumer.commit({self._tp(t, p): off for (t, p), off in offsets.items()})
-        except Exception as exc:  # rebalance in progress, coordinator moved: re-delivery, never loss
-            log.warning("offset commit failed (%s: %s); the records will be re-delivered",
-                        type(exc).__name__, exc)
+        except Exception as exc:  # rebalance in progress, coordinator moved: retried, else re-delivered
+            self._commit_failed = True
+            self.commit_failures += 1
+            log.warning("offset commit failed (%s: %s); retried in %.0fs (re-delivered if it never succeeds)",
+                        type(exc).__name__, exc, COMMIT_RETRY_S)
             return {}
+        self._commit_failed = False
         self.tracker.mark_committed(offsets)
         return offsets
 
@@ -339,22 +361,37 @@ class Publisher:
         return publish
 
     async def _flush_transaction(self, batch: list[Output]) -> dict[TP, int]:
+        """One transaction per partition, through the partition's own producer."""
         batch = self._in_offset_order(batch)
         done = {(o.tp, o.offset) for o in batch}
         offsets = self.tracker.committable(extra_done=done, only=self._assigned())
-        if not batch and not offsets:
-            return {}
-        try:
-            async with self.producer.transaction():
-                for o in batch:
-                    await self.producer.send(o.topic, o.value, key=o.key, headers=o.headers)
-                if offsets:
-                    await self.producer.send_offsets_to_transaction(
-                        {self._tp(t, p): off for (t, p), off in offsets.items()}, self.group_id)
-        except Exception as exc:
-            raise PublishError(f"transaction of {len(batch)} outputs failed: {type(exc).__name__}: {exc}") from exc
+        by_tp: dict[TP, list[Output]] = {}
         for o in batch:
+            by_tp.setdefault(o.tp, []).append(o)
+        tps = sorted(set(by_tp) | set(offsets))
+        results = await asyncio.gather(*(self._partition_transaction(tp, by_tp.get(tp, []), offsets.get(tp))
+                                         for tp in tps), return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            exc = failures[0]
+            raise PublishError(f"transaction of {len(batch)} outputs failed: {type(exc).__name__}: {exc}") from exc
+        return {tp: offsets[tp] for tp, ok in zip(tps, results, strict=True) if ok and tp in offsets}
+
+    async def _partition_transaction(self, tp: TP, outputs: list[Output], offset: int | None) -> bool:
+        """The outputs of ``tp`` and its offset in one transaction of the partition's producer;
+        False when the partition has no producer (revoked meanwhile: its work is dropped)."""
+        producer = self.producer.for_partition(tp)
+        if producer is None:
+            self.dropped_stale += len(outputs)
+            return False
+        async with producer.transaction():
+            for o in outputs:
+                await producer.send(o.topic, o.value, key=o.key, headers=o.headers)
+            if offset is not None:
+                await producer.send_offsets_to_transaction({self._tp(*tp): offset}, self.group_id)
+        for o in outputs:
             self.tracker.done(o.tp, o.offset, o.epoch)
-        self.tracker.mark_committed(offsets)
-        self._account(batch)
-        return offsets
+        if offset is not None:
+            self.tracker.mark_committed({tp: offset})
+        self._account(outputs)
+        return True

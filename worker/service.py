@@ -7,9 +7,11 @@ Lifecycle
 1. Side port up (live; ready = 503).
 2. Engine: prepare (checkpoint + head checks), load, warm every configured K - on the engine
    thread, so the side port answers meanwhile. A refused checkpoint/head exits 2.
-3. Producer started first (exactly_once: InitProducerId fences a zombie of the same
-   transactional id and completes its open transaction), then the consumer: manual commits,
-   static membership (``group_instance_id``), ``read_committed``, a rebalance listener.
+3. at_least_once: the producer, then the consumer: manual commits, static membership only when
+   ``ALPAMAYO_GROUP_INSTANCE_ID`` is set, ``read_committed``, a rebalance listener. exactly_once:
+   one transactional producer per assigned partition, started on assignment (InitProducerId
+   fences the previous owner and completes its open transaction) before the partition's
+   committed offset is read and fetched from; closed on revocation.
 4. Ready (200). Only now is anything fetched.
 5. Tasks: fetch (getmany, bounded in-flight with pause/resume) -> intake thread (decode, claim
    check, images) -> batcher -> engine thread (one batch at a time; heartbeats never wait for it)
@@ -21,8 +23,8 @@ Lifecycle
 Rebalance (eager, as aiokafka does it): on revoke, queued jobs of the revoked partitions are
 abandoned (re-delivered to the next owner), the batch running on the engine is waited for (at
 most the drain timeout), whatever finished is published and its offsets committed, then the
-partitions' state is dropped - later completions of their work are discarded, so no offset is
-ever committed for unpublished work.
+partitions' state is dropped (exactly_once: their producers closed) - later completions of their
+work are discarded, so no offset is ever committed for unpublished work.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from worker.config import ConfigError, Settings
 from worker.errors import Refusal
 from worker.http import HealthState, SidePort
 from worker.intake import Intake, Job
-from worker.kafka_clients import consumer_kwargs, instance_id, kafka_preflight, producer_kwargs
+from worker.kafka_clients import PartitionProducers, consumer_kwargs, instance_id, kafka_preflight, producer_kwargs
 from worker.metrics import WorkerMetrics
 from worker.publisher import OffsetTracker, Output, Publisher, PublishError, dead_letter_output, result_output
 
@@ -81,7 +83,7 @@ class _RebalanceListener(ConsumerRebalanceListener):
         await self.service._on_revoked(revoked)
 
     async def on_partitions_assigned(self, assigned):
-        self.service._on_assigned(assigned)
+        await self.service._on_assigned(assigned)
 
 
 class WorkerService:
@@ -225,8 +227,11 @@ class WorkerService:
     # ------------------------------------------------------------------ kafka clients
     async def _start_kafka(self) -> None:
         s = self.settings
-        self.producer = AIOKafkaProducer(**producer_kwargs(s))
-        await self.producer.start()      # exactly_once: fences the previous incarnation first
+        if self.exactly_once:            # started per partition on assignment
+            self.producer = PartitionProducers(s)
+        else:
+            self.producer = AIOKafkaProducer(**producer_kwargs(s))
+            await self.producer.start()
         self.consumer = AIOKafkaConsumer(**consumer_kwargs(s, self._revoke_timeout()))
         self.consumer.subscribe([s.request_topic], listener=_RebalanceListener(self))
         await self.consumer.start()
@@ -238,7 +243,8 @@ class WorkerService:
             if client is None:
                 continue
             try:
-                await asyncio.wait_for(client.stop(), 15)
+                stop = client.close_all() if isinstance(client, PartitionProducers) else client.stop()
+                await asyncio.wait_for(stop, 15)
             except Exception as exc:  # closing is best effort
                 log.warning("closing %s: %s: %s", type(client).__name__, type(exc).__name__, exc)
 
@@ -246,11 +252,37 @@ class WorkerService:
         return max(1.0, min(self.settings.drain_timeout_s, 120.0))
 
     # ------------------------------------------------------------------ rebalance
-    def _on_assigned(self, assigned) -> None:
-        for tp in assigned:
-            self.tracker.assign((tp.topic, tp.partition))
+    async def _on_assigned(self, assigned) -> None:
+        tps = sorted((tp.topic, tp.partition) for tp in assigned)
+        starts: dict[tuple[str, int], int | None] = {}
+        if self.exactly_once and tps:
+            try:
+                await self.producer.open(tps)           # fences the previous owners first
+                starts = await self._seek_committed(assigned)
+            except Exception as exc:  # the partitions stay unserved: stop, they are re-delivered
+                self._fatal = self._fatal or exc
+                log.error("assignment of %s failed: %s: %s", tps, type(exc).__name__, exc)
+                self.request_stop()
+                return
+        for tp in tps:
+            self.tracker.assign(tp, starts.get(tp))
         self._paused = False
-        log.info("assigned %s", sorted(f"{tp.topic}:{tp.partition}" for tp in assigned))
+        log.info("assigned %s", [f"{t}:{p}" for t, p in tps])
+
+    async def _seek_committed(self, assigned) -> dict[tuple[str, int], int]:
+        """exactly_once: position at the committed offsets read now, after InitProducerId settled
+        the previous owners' transactions (the consumer read them earlier, concurrently). Every
+        offset is read first, then all seeks happen with no await before the tracker takes them."""
+        assigned = list(assigned)
+        committed = {tp: await self.consumer.committed(tp) for tp in assigned}
+        unset = [tp for tp, off in committed.items() if off is None]
+        beginning = await self.consumer.beginning_offsets(unset) if unset else {}
+        starts = {}
+        for tp in assigned:
+            start = committed[tp] if committed[tp] is not None else beginning[tp]
+            self.consumer.seek(tp, start)
+            starts[(tp.topic, tp.partition)] = start
+        return starts
 
     async def _on_revoked(self, revoked) -> None:
         tps = {(tp.topic, tp.partition) for tp in revoked}
@@ -274,6 +306,8 @@ class WorkerService:
                 self.request_stop()
         committed = {tp: self.tracker.committed(tp) for tp in tps}
         unfinished = sum(self.tracker.revoke(tp) for tp in tps)
+        if self.exactly_once and self.producer is not None:
+            await self.producer.close(tps)
         self._revoking -= tps
         log.info("revoked %s: committed up to %s, abandoned %d queued, %d unfinished (re-delivered to the next "
                  "owner)", sorted(f"{t}:{p}" for t, p in tps),

@@ -17,6 +17,7 @@ from producer_tools.chaos.broker import Broker
 from producer_tools.chaos.figures import Figures, format_table
 from producer_tools.chaos.pipeline import DEFAULT_PARTITIONS, GUARANTEES, _work_dir
 from producer_tools.chaos.scenarios import run_broker_restart, run_crash, run_fuzz, run_leader_kill, run_soak
+from producer_tools.chaos.takeover import run_same_host, run_zombie
 
 log = logging.getLogger("alpamayo.chaos")
 
@@ -33,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m producer_tools.chaos",
                                  description=chaos.__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("scenario", choices=["crash", "broker-restart", "leader-kill", "fuzz", "soak"])
+    ap.add_argument("scenario", choices=["crash", "broker-restart", "leader-kill", "fuzz", "soak", "zombie",
+                                        "same-host"])
     ap.add_argument("--scenes", type=int, default=None, help="scenes to publish (crash/broker faults)")
     ap.add_argument("--kills", type=int, default=None, help="crash: worker SIGKILLs (default 3)")
     ap.add_argument("--sink-kills", type=int, default=0, help="crash: sink SIGKILLs as well (default 0)")
@@ -96,6 +98,12 @@ async def _main(args) -> list[Figures]:
                 fig = await run_leader_kill(broker, scenes=args.scenes or 300, down_s=args.down_s or 10.0,
                                             reasoning_tokens=args.reasoning_tokens, batch_size=args.batch_size,
                                             **common)
+            elif sc == "zombie":
+                fig = await run_zombie(broker, scenes=args.scenes or 200, reasoning_tokens=args.reasoning_tokens,
+                                       **common)
+            elif sc == "same-host":
+                fig = await run_same_host(broker, scenes=args.scenes or 200, reasoning_tokens=args.reasoning_tokens,
+                                          **common)
             elif sc == "fuzz":
                 fig = await run_fuzz(broker, bad=args.bad, good=args.good, seed=args.seed,
                                      max_rss_growth_mb=args.max_rss_growth_mb, **common)

@@ -111,7 +111,7 @@ class Pipeline:
             self.sink.start()
 
     async def restart_worker(self, timeout: float = 300.0) -> None:
-        """SIGKILL, then start again (same static member id and transactional id) until ready."""
+        """SIGKILL, then start again (same static member id) until ready."""
         await self.worker.kill()
         self.worker.start()
         await self.worker.wait_ready(timeout)

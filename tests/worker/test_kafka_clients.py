@@ -1,5 +1,5 @@
 """The Kafka client settings (worker.kafka_clients): one SASL/SSL builder for the worker and the
-producer tools; static membership and the transactional id derived from the configuration."""
+producer tools; static membership only when configured; one transactional id per input partition."""
 
 from __future__ import annotations
 
@@ -40,12 +40,20 @@ def test_the_tools_use_the_worker_builder():
     assert sasl["sasl_mechanism"] == "SCRAM-SHA-512" and "ssl_context" not in sasl
 
 
-def test_static_member_and_transactional_id():
+def test_static_member_only_when_set_and_transactional_id_per_partition():
     s = load_settings({"ALPAMAYO_GROUP_ID": "g", "ALPAMAYO_GROUP_INSTANCE_ID": "pod-3",
                        "ALPAMAYO_PROCESSING_GUARANTEE": "exactly_once"})
-    assert transactional_id(s) == "g.pod-3"
-    assert producer_kwargs(s)["transactional_id"] == "g.pod-3"
+    assert transactional_id("g", "req", 2) == "g.req.2"
+    assert producer_kwargs(s, ("req", 2))["transactional_id"] == "g.req.2"
     c = consumer_kwargs(s, revoke_timeout_s=60.0)
     assert c["group_instance_id"] == "pod-3" and c["isolation_level"] == "read_committed"
     assert c["enable_auto_commit"] is False and c["rebalance_timeout_ms"] == 90_000
     assert "transactional_id" not in producer_kwargs(load_settings({}))
+
+
+def test_default_configuration_is_not_a_static_member():
+    """Two workers on one host (one per GPU) with the default configuration must not share a
+    static member id (they would take each other's partitions): no id unless the operator sets one."""
+    s = load_settings({"ALPAMAYO_PROCESSING_GUARANTEE": "exactly_once"})
+    assert consumer_kwargs(s, revoke_timeout_s=60.0)["group_instance_id"] is None
+    assert "transactional_id" not in producer_kwargs(s)

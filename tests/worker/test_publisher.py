@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from worker.publisher import OffsetTracker, Output, Publisher, PublishError
+from worker.publisher import COMMIT_RETRY_S, OffsetTracker, Output, Publisher, PublishError
 
 TP0, TP1 = ("req", 0), ("req", 1)
 
@@ -145,6 +145,16 @@ class FakeProducer:
         self._txn["offsets"] = ({(tp.topic, tp.partition): o for tp, o in offsets.items()}, group_id)
 
 
+class FakePartitionProducers:
+    """exactly_once: one FakeProducer per partition (worker.kafka_clients.PartitionProducers)."""
+
+    def __init__(self, tps):
+        self.producers = {tp: FakeProducer() for tp in tps}
+
+    def for_partition(self, tp):
+        return self.producers.get(tp)
+
+
 def out(tp, offset, epoch, key):
     return Output(tp, offset, epoch, "results", key.encode(), b"v", [], request_id=key)
 
@@ -210,22 +220,44 @@ async def test_stale_outputs_of_a_revoked_partition_are_dropped():
     assert prod.sent == [] and pub.dropped_stale == 1
 
 
-async def test_exactly_once_outputs_and_offsets_in_one_transaction():
+async def test_exactly_once_each_partition_commits_through_its_own_producer():
+    """Outputs and offsets of a partition go in a transaction of that partition's producer (whose
+    transactional id the partition's next owner takes over, fencing this one)."""
     t = OffsetTracker()
     e0, e1 = t.assign(TP0), t.assign(TP1)
     for off in range(2):
         t.add(TP0, off)
     t.add(TP1, 5)
-    prod, cons = FakeProducer(), FakeConsumer([TP0, TP1])
-    pub = Publisher(prod, cons, t, "grp", exactly_once=True, tp_factory=FakeTP)
+    prods, cons = FakePartitionProducers([TP0, TP1]), FakeConsumer([TP0, TP1])
+    pub = Publisher(prods, cons, t, "grp", exactly_once=True, tp_factory=FakeTP)
     pub.submit([out(TP0, 0, e0, "a"), out(TP1, 5, e1, "c")])
     committed = await pub.flush()
     assert committed == {TP0: 1, TP1: 6}
-    (txn,) = prod.txns
-    assert txn["committed"] and txn["sends"] == [("results", b"a"), ("results", b"c")]
-    assert txn["offsets"] == ({TP0: 1, TP1: 6}, "grp")
+    (txn0,) = prods.producers[TP0].txns
+    (txn1,) = prods.producers[TP1].txns
+    assert txn0["committed"] and txn0["sends"] == [("results", b"a")] and txn0["offsets"] == ({TP0: 1}, "grp")
+    assert txn1["committed"] and txn1["sends"] == [("results", b"c")] and txn1["offsets"] == ({TP1: 6}, "grp")
     assert cons.commits == []                  # never a plain consumer commit in exactly_once
     assert t.pending(TP0) == {1}
+
+
+@pytest.mark.parametrize("step", ["send", "send_offsets"])
+async def test_exactly_once_failed_transaction_is_fatal_and_completes_nothing(step):
+    t = OffsetTracker()
+    e = t.assign(TP0)
+    t.add(TP0, 0)
+    prods, cons = FakePartitionProducers([TP0]), FakeConsumer([TP0])
+    prod = prods.producers[TP0]
+
+    async def fenced(*a, **kw):
+        raise RuntimeError("ProducerFenced")
+
+    setattr(prod, {"send": "send", "send_offsets": "send_offsets_to_transaction"}[step], fenced)
+    pub = Publisher(prods, cons, t, "grp", exactly_once=True, tp_factory=FakeTP)
+    pub.submit([out(TP0, 0, e, "a")])
+    with pytest.raises(PublishError):
+        await pub.flush()
+    assert t.pending(TP0) == {0} and t.committed(TP0) is None and not prod.txns[0]["committed"]
 
 
 async def test_exactly_once_publishes_in_offset_order_per_partition():
@@ -235,8 +267,9 @@ async def test_exactly_once_publishes_in_offset_order_per_partition():
     e = t.assign(TP0)
     for off in range(3):
         t.add(TP0, off)
-    prod, cons = FakeProducer(), FakeConsumer([TP0])
-    pub = Publisher(prod, cons, t, "grp", exactly_once=True, tp_factory=FakeTP)
+    prods, cons = FakePartitionProducers([TP0]), FakeConsumer([TP0])
+    prod = prods.producers[TP0]
+    pub = Publisher(prods, cons, t, "grp", exactly_once=True, tp_factory=FakeTP)
     pub.submit([out(TP0, 1, e, "b")])
     assert await pub.flush() == {}
     assert prod.txns == [] and pub.held == 1                  # held: offset 0 unfinished
@@ -252,10 +285,40 @@ async def test_exactly_once_held_outputs_of_a_revoked_partition_are_dropped():
     e = t.assign(TP0)
     t.add(TP0, 0)
     t.add(TP0, 1)
-    prod, cons = FakeProducer(), FakeConsumer([TP0])
-    pub = Publisher(prod, cons, t, "grp", exactly_once=True, tp_factory=FakeTP)
+    prods, cons = FakePartitionProducers([TP0]), FakeConsumer([TP0])
+    pub = Publisher(prods, cons, t, "grp", exactly_once=True, tp_factory=FakeTP)
     pub.submit([out(TP0, 1, e, "b")])
     await pub.flush()
     t.revoke(TP0)
     t.assign(TP0)
-    assert await pub.flush() == {} and pub.held == 0 and prod.txns == []
+    assert await pub.flush() == {} and pub.held == 0 and prods.producers[TP0].txns == []
+
+
+def test_records_fetched_before_the_assignment_seek_are_refused():
+    """exactly_once positions a new assignment at the committed offset read after fencing; records
+    the consumer fetched from an older position (below it, or fetched again) are not processed."""
+    t = OffsetTracker()
+    e = t.assign(TP0, start=10)
+    assert t.add(TP0, 8) is None and t.add(TP0, 10) == e and t.add(TP0, 11) == e
+    assert t.add(TP0, 10) is None and t.add(TP0, 11) is None and t.add(TP0, 12) == e
+    assert t.pending(TP0) == {10, 11, 12}
+
+
+async def test_at_least_once_failed_commit_is_retried_on_a_timer_without_new_outputs():
+    t = OffsetTracker()
+    e = t.assign(TP0)
+    t.add(TP0, 0)
+    prod, cons = FakeProducer(), FakeConsumer([TP0])
+    cons.fail_commit = True
+    pub = Publisher(prod, cons, t, "g", exactly_once=False, tp_factory=FakeTP)
+    runner = asyncio.create_task(pub.run())
+    pub.submit([out(TP0, 0, e, "a")])
+    await asyncio.sleep(0.05)
+    prod.ack_all()
+    await asyncio.sleep(0.05)
+    assert cons.commits == []                  # the commit failed
+    cons.fail_commit = False                   # the coordinator is back; no output arrives
+    await asyncio.sleep(COMMIT_RETRY_S + 0.5)
+    assert cons.commits == [{TP0: 1}] and t.committed(TP0) == 1 and pub.commit_failures >= 1
+    pub.close()
+    await asyncio.wait_for(runner, 2)
