@@ -117,9 +117,10 @@ def fit_dead_letter(dl: DeadLetter, max_bytes: int) -> tuple[DeadLetter, bytes, 
     """(the dead letter, its encoded value, its headers), cut so that its record fits ``max_bytes``.
     Unchanged when it fits already. Raises ValueError when even the cut one does not fit (a limit
     smaller than the dead letter's own fields)."""
-    size, value, headers = _encoded_size(dl)
-    if size <= max_bytes:
-        return dl, value, headers
+    if len(dl.original_value) < max_bytes:     # (a larger value cannot fit: skip encoding it whole)
+        size, value, headers = _encoded_size(dl)
+        if size <= max_bytes:
+            return dl, value, headers
     cut: list[str] = []
     key = dl.original_key
     if key is not None and len(key) > KEPT_KEY_BYTES:
