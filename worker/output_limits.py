@@ -17,6 +17,7 @@ prefix that still fits. A cut dead letter cannot be replayed (``dlq replay`` ref
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from dataclasses import dataclass
@@ -88,7 +89,8 @@ async def read_output_limits(client_kw: dict, result_topic: str, dead_letter_top
     except Exception as exc:  # the limits are a safeguard: fall back rather than refuse to start
         log.warning("reading max.message.bytes of %s failed (%s: %s)", topics, type(exc).__name__, exc)
     finally:
-        await admin.close()
+        with contextlib.suppress(Exception):
+            await admin.close()
     for t in topics:
         if t not in found:
             log.warning("max.message.bytes of %s unknown: assuming the broker default %d", t,
