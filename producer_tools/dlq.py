@@ -13,7 +13,9 @@ request topic with the original key and headers, plus lineage headers:
 * ``replay-of-key``: the dead letter's Kafka key (request id, or the source coordinates),
 * ``attempt``: the dead letter's ``attempt + 1``.
 
-Dead letters whose value was truncated cannot be replayed and are reported. Replays are
+Dead letters whose original was cut to fit the dead-letter topic (a truncated value, or the
+``alpamayo-truncated`` marker the worker appends to cut key/headers) cannot be replayed and are
+reported. Replays are
 recorded in ``<runs-dir>/dlq-replays.jsonl`` and not repeated unless ``--force``.
 """
 
@@ -34,9 +36,9 @@ from producer_tools.common import KafkaOptions, ToolError, client_kwargs
 __all__ = ["HEADER_REPLAY_OF", "HEADER_REPLAY_OF_KEY", "HEADER_ATTEMPT", "DeadLetterItem", "from_lake",
            "from_topic", "select", "replay_headers", "replay"]
 
-HEADER_REPLAY_OF = "replay-of"
+HEADER_REPLAY_OF = S.HEADER_REPLAY_OF
 HEADER_REPLAY_OF_KEY = "replay-of-key"
-HEADER_ATTEMPT = "attempt"
+HEADER_ATTEMPT = S.HEADER_ATTEMPT
 _LINEAGE_HEADERS = {HEADER_REPLAY_OF, HEADER_REPLAY_OF_KEY, HEADER_ATTEMPT}
 
 
@@ -64,7 +66,7 @@ class DeadLetterItem:
 def _item_from_dl(dl: S.DeadLetter, coords: str, key: bytes | None) -> DeadLetterItem:
     return DeadLetterItem(coords=coords, key=key, request_id=dl.request_id, run_id=dl.run_id,
                           error_code=dl.error_code.value, attempt=dl.attempt, original_value=dl.original_value,
-                          truncated=dl.original_value_truncated, original_key=dl.original_key,
+                          truncated=dl.original_cut, original_key=dl.original_key,
                           original_headers=list(dl.original_headers))
 
 
@@ -76,12 +78,13 @@ def from_lake(lake: str, run_id: str | None = None) -> list[DeadLetterItem]:
     for r in rows:
         if r.get("decode_error") and r.get("original_value") is None:
             continue
+        headers = [(h["key"], h["value"] or b"") for h in (r.get("original_headers") or [])]
         out.append(DeadLetterItem(
             coords=f"{r['kafka_topic']}:{r['kafka_partition']}:{r['kafka_offset']}", key=r.get("kafka_key"),
             request_id=r.get("request_id"), run_id=r.get("run_id"), error_code=r.get("error_code"),
             attempt=int(r.get("attempt") or 1), original_value=r.get("original_value") or b"",
-            truncated=bool(r.get("original_value_truncated")), original_key=r.get("original_key"),
-            original_headers=[(h["key"], h["value"] or b"") for h in (r.get("original_headers") or [])]))
+            truncated=bool(r.get("original_value_truncated")) or any(k == S.TRUNCATION_HEADER for k, _ in headers),
+            original_key=r.get("original_key"), original_headers=headers))
     out.sort(key=lambda d: d.coords)
     return out
 

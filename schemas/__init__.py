@@ -31,7 +31,16 @@ from .codec import (
     resolve_content_type,
     result_key,
 )
-from .dead_letter import DeadLetter, SourceCoordinates, dead_letter_from_error, dead_letter_key, normalize_headers
+from .dead_letter import (
+    HEADER_ATTEMPT,
+    HEADER_REPLAY_OF,
+    TRUNCATION_HEADER,
+    DeadLetter,
+    SourceCoordinates,
+    dead_letter_from_error,
+    dead_letter_key,
+    normalize_headers,
+)
 from .errors import RETRYABLE_CODES, ContractError, ErrorCode
 from .request import (
     CAMERA_IDS_BY_NAME,
@@ -93,6 +102,7 @@ __all__ = [
     "GroundingBox", "SampleOutput", "ModelIdentity", "Lineage", "InferResult",
     # dead letter
     "SourceCoordinates", "DeadLetter", "dead_letter_from_error", "dead_letter_key", "normalize_headers",
+    "TRUNCATION_HEADER", "HEADER_REPLAY_OF", "HEADER_ATTEMPT",
     # codec
     "CONTENT_TYPE_MSGPACK", "CONTENT_TYPE_JSON", "CONTENT_TYPES", "ContentType", "Headers",
     "HEADER_CONTENT_TYPE", "HEADER_SCHEMA_VERSION", "HEADER_REQUEST_ID", "HEADER_RUN_ID",

@@ -1,7 +1,8 @@
 """The dead-letter message (``alpamayo.dead-letters``): why a request failed, plus its original bytes.
 
 A dead letter keeps the original value, key and headers so that a replay tool can re-publish the
-request unchanged (or after a fix). Keyed by ``request_id`` when it could be read, otherwise by
+request unchanged (or after a fix), unless it had to be cut to fit the dead-letter topic
+(:attr:`DeadLetter.original_cut`). Keyed by ``request_id`` when it could be read, otherwise by
 the source coordinates ``topic:partition:offset`` (see :func:`dead_letter_key`).
 """
 
@@ -17,7 +18,16 @@ from msgspec import Meta
 from .errors import ContractError, ErrorCode
 from .request import SCHEMA_VERSION
 
-__all__ = ["SourceCoordinates", "DeadLetter", "dead_letter_from_error", "dead_letter_key", "normalize_headers"]
+__all__ = ["SourceCoordinates", "DeadLetter", "dead_letter_from_error", "dead_letter_key", "normalize_headers",
+           "TRUNCATION_HEADER", "HEADER_REPLAY_OF", "HEADER_ATTEMPT"]
+
+TRUNCATION_HEADER = "alpamayo-truncated"
+"""The last of ``original_headers`` when the worker cut the original key or headers to fit the
+dead-letter topic; its value says what was cut and the full sizes, e.g. ``key=2000,headers=1200042``."""
+HEADER_REPLAY_OF = "replay-of"
+"""Request header written by ``dlq replay``: ``topic:partition:offset`` of the dead letter replayed."""
+HEADER_ATTEMPT = "attempt"
+"""Request header written by ``dlq replay``: the delivery attempt (the dead letter's ``attempt + 1``)."""
 
 
 class SourceCoordinates(msgspec.Struct, kw_only=True, frozen=True):
@@ -55,8 +65,16 @@ class DeadLetter(msgspec.Struct, kw_only=True, frozen=True):
     ] = []
     source: Annotated[SourceCoordinates, Meta(description="Kafka coordinates of the request.")]
     attempt: Annotated[int, Meta(ge=1, description="Delivery attempt that failed (1 = first).")] = 1
+    replay_of: Annotated[
+        str | None, Meta(description="'topic:partition:offset' of the dead letter the failed request replayed.")
+    ] = None
     worker_id: Annotated[str, Meta(description="Worker that gave up.")]
     failed_at: Annotated[float, Meta(description="Unix seconds of the failure.")]
+
+    @property
+    def original_cut(self) -> bool:
+        """True when the original value, key or headers were cut: the request cannot be replayed."""
+        return self.original_value_truncated or any(k == TRUNCATION_HEADER for k, _ in self.original_headers)
 
     @property
     def retryable(self) -> bool:
@@ -93,6 +111,7 @@ def dead_letter_from_error(
     offset: int,
     worker_id: str,
     attempt: int = 1,
+    replay_of: str | None = None,
     failed_at: float | None = None,
     max_value_bytes: int | None = None,
 ) -> DeadLetter:
@@ -119,6 +138,7 @@ def dead_letter_from_error(
         original_headers=normalize_headers(headers),
         source=SourceCoordinates(topic=topic, partition=partition, offset=offset),
         attempt=attempt,
+        replay_of=replay_of,
         worker_id=worker_id,
         failed_at=time.time() if failed_at is None else failed_at,
     )

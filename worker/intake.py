@@ -15,11 +15,16 @@ Order of checks (the first failure wins and becomes a dead letter with its code 
 4. pixel decode (``bad_image`` at ``$.images[i]`` for bytes whose header is fine but whose body
    is not).
 
+Replay lineage: the ``attempt`` and ``replay-of`` headers that ``dlq replay`` writes are read
+(:func:`replay_lineage`) into the job, its result's ``lineage`` and any dead letter; malformed
+ones are ignored (with a warning on the result).
+
 Blocking (file I/O, image decode): the service runs :meth:`Intake.process` on a worker thread.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -28,28 +33,54 @@ import numpy as np
 
 from schemas import (
     CAMERA_IDS_BY_NAME,
+    HEADER_ATTEMPT,
+    HEADER_REPLAY_OF,
     TASK_CAMERA_ORDER,
     ContractError,
     DeadLetter,
     ErrorCode,
     ImageRef,
     InferRequest,
+    Lineage,
     check_image_blobs,
     dead_letter_from_error,
     decode_request_with_warnings,
+    header_value,
 )
 from worker.claim_check import ClaimCheckFetcher
 from worker.config import Settings
 
-__all__ = ["Record", "RawRecord", "Job", "Intake", "MAX_IMAGE_PIXELS", "MAX_REQUEST_PIXELS",
-           "DEAD_LETTER_MAX_VALUE_BYTES"]
+__all__ = ["Record", "RawRecord", "Job", "Intake", "MAX_IMAGE_PIXELS", "MAX_REQUEST_PIXELS", "MAX_ATTEMPT",
+           "replay_lineage"]
 
 MAX_IMAGE_PIXELS = 4096 * 4096
 """Largest single image (width x height) decoded."""
 MAX_REQUEST_PIXELS = 24 * 3840 * 2160
 """Largest total pixel count of one request's images (24 frames of 4K)."""
-DEAD_LETTER_MAX_VALUE_BYTES = 768 << 10
-"""The request bytes a dead letter keeps (a prefix beyond this), so it fits a 1 MiB topic."""
+MAX_ATTEMPT = 1_000_000
+"""Largest ``attempt`` header value taken (a larger or malformed one is ignored)."""
+_COORDS = re.compile(r"[A-Za-z0-9._-]{1,249}:[0-9]{1,10}:[0-9]{1,19}")
+"""``topic:partition:offset`` (Kafka's topic name characters and length)."""
+
+
+def replay_lineage(headers: list[tuple[str, bytes]]) -> tuple[int, str | None, list[str]]:
+    """(attempt, replay_of, warnings) from the ``attempt`` / ``replay-of`` headers; a malformed
+    header is ignored (attempt 1, replay_of None) and named in the warnings."""
+    warnings = []
+    attempt, replay_of = 1, None
+    raw = header_value(headers, HEADER_ATTEMPT)
+    if raw is not None:
+        if raw.isascii() and raw.isdigit() and len(raw) <= 7 and 1 <= int(raw) <= MAX_ATTEMPT:
+            attempt = int(raw)
+        else:
+            warnings.append(f"header {HEADER_ATTEMPT!r} ignored: not an integer 1..{MAX_ATTEMPT}")
+    raw = header_value(headers, HEADER_REPLAY_OF)
+    if raw is not None:
+        if _COORDS.fullmatch(raw):
+            replay_of = raw
+        else:
+            warnings.append(f"header {HEADER_REPLAY_OF!r} ignored: not topic:partition:offset")
+    return attempt, replay_of, warnings
 
 
 class Record(Protocol):
@@ -94,6 +125,8 @@ class Job:
     origin_at: float             # unix seconds the queue time counts from (record time / submitted_at)
     image_prep_ms: float = 0.0   # claim-check fetch + decode in intake
     epoch: int = 0               # the partition's assignment epoch when fetched (set by the service)
+    attempt: int = 1             # delivery attempt (the ``attempt`` header of a replay)
+    replay_of: str | None = None  # dead letter replayed (the ``replay-of`` header)
 
     @property
     def tp(self) -> tuple[str, int]:
@@ -108,7 +141,14 @@ class Job:
     def request_id(self) -> str:
         return self.request.request_id
 
+    def lineage(self, worker_id: str) -> Lineage:
+        """The result's lineage: source coordinates, worker, attempt, replay_of."""
+        return Lineage(topic=self.topic, partition=self.partition, offset=self.offset, worker_id=worker_id,
+                       attempt=self.attempt, replay_of=self.replay_of)
+
     def dead_letter(self, error: ContractError | BaseException, worker_id: str) -> DeadLetter:
+        """The whole original value, key and headers; cut to the topic's limit when published
+        (:func:`worker.output_limits.fit_dead_letter`)."""
         if isinstance(error, ContractError):
             error.with_ids(self.request.request_id, self.request.run_id)
         else:
@@ -116,7 +156,7 @@ class Job:
                                   request_id=self.request.request_id, run_id=self.request.run_id)
         return dead_letter_from_error(error, value=self.value, key=self.key, headers=self.headers,
                                       topic=self.topic, partition=self.partition, offset=self.offset,
-                                      worker_id=worker_id, max_value_bytes=DEAD_LETTER_MAX_VALUE_BYTES)
+                                      worker_id=worker_id, attempt=self.attempt, replay_of=self.replay_of)
 
 
 def _headers(raw: Any) -> list[tuple[str, bytes]]:
@@ -174,19 +214,22 @@ class Intake:
             origin = float(req.submitted_at)
         else:
             origin = received_at
-        return Job(request=req, scene=scene, warnings=warnings, topic=record.topic, partition=record.partition,
-                   offset=record.offset, key=record.key, headers=headers,
+        attempt, replay_of, lineage_warnings = replay_lineage(headers)
+        return Job(request=req, scene=scene, warnings=warnings + lineage_warnings, topic=record.topic,
+                   partition=record.partition, offset=record.offset, key=record.key, headers=headers,
                    value=bytes(value) if value is not None else b"", received_at=received_at,
-                   origin_at=min(origin, received_at), image_prep_ms=prep_ms)
+                   origin_at=min(origin, received_at), image_prep_ms=prep_ms, attempt=attempt, replay_of=replay_of)
 
     def dead_letter(self, err: BaseException, record: Record) -> DeadLetter:
-        """The dead letter of a record that failed with ``err`` (a non-ContractError -> internal_error)."""
+        """The dead letter of a record that failed with ``err`` (a non-ContractError -> internal_error):
+        the whole original value, key and headers (cut to the topic's limit when published)."""
         headers = _headers(getattr(record, "headers", ()))
         value = record.value
+        attempt, replay_of, _ = replay_lineage(headers)
         return dead_letter_from_error(
             err, value=bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else None,
             key=record.key, headers=headers, topic=record.topic, partition=record.partition,
-            offset=record.offset, worker_id=self.worker_id, max_value_bytes=DEAD_LETTER_MAX_VALUE_BYTES)
+            offset=record.offset, worker_id=self.worker_id, attempt=attempt, replay_of=replay_of)
 
     # ------------------------------------------------------------------ images
     def _images(self, req: InferRequest) -> list[np.ndarray]:

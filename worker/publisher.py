@@ -41,16 +41,15 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from schemas import DeadLetter, InferResult, dead_letter_key, encode_dead_letter, encode_result, result_key
+from schemas import DeadLetter, InferResult, dead_letter_key, encode_result, result_key
+from worker.output_limits import check_result_fits, fit_dead_letter
 
-__all__ = ["TP", "Output", "OffsetTracker", "Publisher", "PublishError", "MAX_MESSAGE_BYTES", "COMMIT_RETRY_S",
-           "result_output", "dead_letter_output"]
+__all__ = ["TP", "Output", "OffsetTracker", "Publisher", "PublishError", "COMMIT_RETRY_S", "result_output",
+           "dead_letter_output"]
 
 log = logging.getLogger("alpamayo.publisher")
 
 TP = tuple[str, int]
-MAX_MESSAGE_BYTES = 1_000_000
-"""Largest output value produced (the broker's default message.max.bytes is 1,048,588)."""
 COMMIT_RETRY_S = 1.0
 """at_least_once: how soon a failed offset commit is retried when no output arrives meanwhile."""
 
@@ -80,17 +79,17 @@ class Output:
     request_id: str | None = None
 
 
-def result_output(tp: TP, offset: int, epoch: int, topic: str, result: InferResult) -> Output:
-    """Raises ValueError when the encoded result exceeds MAX_MESSAGE_BYTES."""
+def result_output(tp: TP, offset: int, epoch: int, topic: str, result: InferResult, max_bytes: int) -> Output:
+    """Raises an ``oversize`` ContractError when the result's record exceeds ``max_bytes``."""
     value, headers = encode_result(result)
-    if len(value) > MAX_MESSAGE_BYTES:
-        raise ValueError(f"the result is {len(value)} bytes encoded, above the {MAX_MESSAGE_BYTES}-byte message limit")
-    return Output(tp, offset, epoch, topic, result_key(result.request_id), value, headers, result=result,
-                  request_id=result.request_id)
+    key = result_key(result.request_id)
+    check_result_fits(key, value, headers, max_bytes)
+    return Output(tp, offset, epoch, topic, key, value, headers, result=result, request_id=result.request_id)
 
 
-def dead_letter_output(tp: TP, offset: int, epoch: int, topic: str, dl: DeadLetter) -> Output:
-    value, headers = encode_dead_letter(dl)
+def dead_letter_output(tp: TP, offset: int, epoch: int, topic: str, dl: DeadLetter, max_bytes: int) -> Output:
+    """The dead letter cut to fit ``max_bytes`` (:func:`worker.output_limits.fit_dead_letter`)."""
+    dl, value, headers = fit_dead_letter(dl, max_bytes)
     return Output(tp, offset, epoch, topic, dead_letter_key(dl), value, headers, error_code=dl.error_code.value,
                   request_id=dl.request_id)
 

@@ -40,14 +40,16 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 
-from schemas import ContractError, DeadLetter, ErrorCode, Lineage
+from schemas import ContractError, DeadLetter, ErrorCode
 from worker.batcher import Batcher
 from worker.config import ConfigError, Settings
 from worker.errors import Refusal
 from worker.http import HealthState, SidePort
 from worker.intake import Intake, Job
-from worker.kafka_clients import PartitionProducers, consumer_kwargs, instance_id, kafka_preflight, producer_kwargs
+from worker.kafka_clients import (PartitionProducers, consumer_kwargs, instance_id, kafka_preflight, producer_kwargs,
+                                  security_kwargs)
 from worker.metrics import WorkerMetrics
+from worker.output_limits import OutputLimits, producer_max_request_size, read_output_limits
 from worker.publisher import OffsetTracker, Output, Publisher, PublishError, dead_letter_output, result_output
 
 __all__ = ["WorkerService", "load_engine", "EXIT_OK", "EXIT_FAILED", "EXIT_REFUSED"]
@@ -108,6 +110,7 @@ class WorkerService:
         self.batcher: Batcher[Job] = Batcher(lambda j: j.group, settings.max_batch_size, settings.max_batch_wait_ms)
         self.exactly_once = settings.processing_guarantee == "exactly_once"
         self.consumer = self.producer = self.publisher = None
+        self.output_limits: OutputLimits | None = None     # read from the broker at startup
         self.intake = Intake(settings, getattr(engine, "default_seed", None) or _default_seed,
                              shrink_frame=getattr(engine, "shrink_frame", None))
         self._engine_pool = ThreadPoolExecutor(1, thread_name_prefix="engine")
@@ -227,6 +230,9 @@ class WorkerService:
     # ------------------------------------------------------------------ kafka clients
     async def _start_kafka(self) -> None:
         s = self.settings
+        self.output_limits = await read_output_limits(
+            {"bootstrap_servers": s.bootstrap_servers, **security_kwargs(s)}, s.result_topic, s.dead_letter_topic,
+            producer_max_request_size(producer_kwargs(s)))
         if self.exactly_once:            # started per partition on assignment
             self.producer = PartitionProducers(s)
         else:
@@ -362,7 +368,8 @@ class WorkerService:
             return
         if not isinstance(out, DeadLetter):   # intake never raises; belt and braces
             out = self.intake.dead_letter(out if isinstance(out, BaseException) else RuntimeError(str(out)), rec)
-        self.publisher.submit([dead_letter_output(tp, rec.offset, epoch, self.settings.dead_letter_topic, out)])
+        self.publisher.submit([dead_letter_output(tp, rec.offset, epoch, self.settings.dead_letter_topic, out,
+                                                  self.output_limits.dead_letter_bytes)])
 
     # ------------------------------------------------------------------ engine
     async def _batch_loop(self, loop) -> None:
@@ -425,17 +432,21 @@ class WorkerService:
         if err is None:
             try:
                 res.timings_ms["image_prep"] = res.timings_ms.get("image_prep", 0.0) + job.image_prep_ms
-                lineage = Lineage(topic=job.topic, partition=job.partition, offset=job.offset, worker_id=s.worker_id)
+                lineage = job.lineage(s.worker_id)
                 queue_ms = max(0.0, (start - job.origin_at) * 1000.0)
                 total_ms = max(queue_ms, (time.time() - job.origin_at) * 1000.0)
                 result = self.engine.to_result(job.request, res, lineage, queue_ms, total_ms, job.warnings)
-                return result_output(job.tp, job.offset, job.epoch, s.result_topic, result)
+                return result_output(job.tp, job.offset, job.epoch, s.result_topic, result,
+                                     self.output_limits.result_bytes)
+            except ContractError as exc:        # oversize: the result does not fit its topic
+                err = exc
             except ValueError as exc:
                 err = ContractError(ErrorCode.INFERENCE_FAILED, "$", str(exc)[:1000])
             except Exception as exc:
                 err = ContractError(ErrorCode.INTERNAL_ERROR, "$", f"{type(exc).__name__}: {exc}"[:1000])
         dl = job.dead_letter(err, s.worker_id)
-        return dead_letter_output(job.tp, job.offset, job.epoch, s.dead_letter_topic, dl)
+        return dead_letter_output(job.tp, job.offset, job.epoch, s.dead_letter_topic, dl,
+                                  self.output_limits.dead_letter_bytes)
 
     # ------------------------------------------------------------------ monitor
     async def _monitor_loop(self) -> None:

@@ -11,6 +11,7 @@ and prints one row of figures per run::
     python -m producer_tools.chaos leader-kill --scenes 300
     python -m producer_tools.chaos fuzz --bad 10000 --good 200
     python -m producer_tools.chaos soak --minutes 30 --rate 2
+    python -m producer_tools.chaos poison --scenes 40
 
 Scenarios
 ---------
@@ -37,6 +38,10 @@ Scenarios
 ``soak``
     publishing at ``--rate`` scenes/s for ``--minutes``; the worker's (and sink's) RSS and the
     worker's ``alpamayo_gpu_memory_bytes`` are sampled; growth and slope are reported.
+``poison``
+    requests with 1.2 MB keys and headers, 12,000 headers, values at and just above the worker's
+    request limit (``producer_tools.chaos.poison``): each must end as the one result or dead
+    letter its kind allows, and the worker must stay up.
 
 Figures (one row per run; ``--json`` prints them as JSON too)
 -------------------------------------------------------------

@@ -16,6 +16,7 @@ from producer_tools import chaos
 from producer_tools.chaos.broker import Broker
 from producer_tools.chaos.figures import Figures, format_table
 from producer_tools.chaos.pipeline import DEFAULT_PARTITIONS, GUARANTEES, _work_dir
+from producer_tools.chaos.poison import run_poison
 from producer_tools.chaos.scenarios import run_broker_restart, run_crash, run_fuzz, run_leader_kill, run_soak
 from producer_tools.chaos.takeover import run_same_host, run_zombie
 
@@ -35,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  description=chaos.__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("scenario", choices=["crash", "broker-restart", "leader-kill", "fuzz", "soak", "zombie",
-                                        "same-host"])
-    ap.add_argument("--scenes", type=int, default=None, help="scenes to publish (crash/broker faults)")
+                                        "same-host", "poison"])
+    ap.add_argument("--scenes", type=int, default=None, help="scenes to publish (crash/broker faults/poison)")
     ap.add_argument("--kills", type=int, default=None, help="crash: worker SIGKILLs (default 3)")
     ap.add_argument("--sink-kills", type=int, default=0, help="crash: sink SIGKILLs as well (default 0)")
     ap.add_argument("--guarantee", type=_guarantees, default=None,
@@ -107,6 +108,8 @@ async def _main(args) -> list[Figures]:
             elif sc == "fuzz":
                 fig = await run_fuzz(broker, bad=args.bad, good=args.good, seed=args.seed,
                                      max_rss_growth_mb=args.max_rss_growth_mb, **common)
+            elif sc == "poison":
+                fig = await run_poison(broker, scenes=args.scenes or 40, **common)
             else:
                 fig = await run_soak(broker, minutes=args.minutes, rate=args.rate,
                                      reasoning_tokens=args.reasoning_tokens, batch_size=args.batch_size, **common)

@@ -16,6 +16,7 @@ from worker.claim_check import ClaimCheckFetcher
 from worker.config import load_settings
 from worker.engine import default_seed
 from worker.intake import Intake, Job, RawRecord
+from worker.output_limits import BROKER_DEFAULT_MESSAGE_BYTES, fit_dead_letter
 
 CAMS = [S.CAMERAS[i].name for i in S.DEFAULT_CAMERA_ORDER]
 
@@ -110,7 +111,9 @@ def test_oversize(intake):
     value += b" " * (intake.settings.max_request_bytes + 1 - len(value))
     dead(intake, value, "oversize", "$", request_id=None)         # too big to read the id from the body
     out = dead(intake, value, "oversize", "$", [("request-id", b"r-1")])
-    assert out.original_value_truncated and len(out.original_value) < 1 << 20   # fits the dead-letter topic
+    assert out.original_value == value and not out.original_cut      # whole: cut when published, to the limit
+    fitted, encoded, _ = fit_dead_letter(out, BROKER_DEFAULT_MESSAGE_BYTES)
+    assert fitted.original_value_truncated and len(encoded) < BROKER_DEFAULT_MESSAGE_BYTES   # fits the topic
 
 
 @pytest.mark.parametrize("over,code,field", [
