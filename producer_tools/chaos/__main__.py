@@ -15,6 +15,7 @@ from pathlib import Path
 from producer_tools import chaos
 from producer_tools.chaos.broker import Broker
 from producer_tools.chaos.figures import Figures, format_table
+from producer_tools.chaos.multi_sink import run_multi_sink
 from producer_tools.chaos.pipeline import DEFAULT_PARTITIONS, GUARANTEES, _work_dir
 from producer_tools.chaos.scenarios import run_broker_restart, run_crash, run_fuzz, run_leader_kill, run_soak
 
@@ -33,9 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m producer_tools.chaos",
                                  description=chaos.__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("scenario", choices=["crash", "broker-restart", "leader-kill", "fuzz", "soak"])
+    ap.add_argument("scenario", choices=["crash", "broker-restart", "leader-kill", "fuzz", "soak", "multi-sink"])
     ap.add_argument("--scenes", type=int, default=None, help="scenes to publish (crash/broker faults)")
     ap.add_argument("--kills", type=int, default=None, help="crash: worker SIGKILLs (default 3)")
+    ap.add_argument("--faults", type=int, default=12,
+                    help="multi-sink: random sink faults (SIGKILL, SIGTERM, restart; default 12)")
     ap.add_argument("--sink-kills", type=int, default=0, help="crash: sink SIGKILLs as well (default 0)")
     ap.add_argument("--guarantee", type=_guarantees, default=None,
                     help="exactly_once | at_least_once | both (default: both for crash, exactly_once otherwise; "
@@ -96,6 +99,9 @@ async def _main(args) -> list[Figures]:
                 fig = await run_leader_kill(broker, scenes=args.scenes or 300, down_s=args.down_s or 10.0,
                                             reasoning_tokens=args.reasoning_tokens, batch_size=args.batch_size,
                                             **common)
+            elif sc == "multi-sink":
+                fig = await run_multi_sink(broker, scenes=args.scenes or 600, faults=args.faults, seed=args.seed,
+                                           work=work, partitions=args.partitions, timeout=args.timeout)
             elif sc == "fuzz":
                 fig = await run_fuzz(broker, bad=args.bad, good=args.good, seed=args.seed,
                                      max_rss_growth_mb=args.max_rss_growth_mb, **common)
