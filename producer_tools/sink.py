@@ -1,17 +1,10 @@
 """``alpamayo-producer sink``: result and dead-letter topics -> a Hive-partitioned Parquet lake,
 exactly once.
 
-Layout::
-
-    <lake>/results/run_id=<run>/date=<YYYY-MM-DD>/<topic>+<partition>+<start>-<end>.parquet
-    <lake>/dead_letters/run_id=<run>/date=<YYYY-MM-DD>/<topic>+<partition>+<start>-<end>.parquet
-    <lake>/_sink/locks/<topic>+<partition>.lock
-
-``run_id`` is URI-encoded (``__HIVE_DEFAULT_PARTITION__`` when null); ``date`` is the UTC day of
-the Kafka record timestamp (immutable, so every rewrite of a record picks the same directory).
-Files hold the fixed schemas of ``producer_tools.lake`` (``RESULT_SCHEMA`` /
-``DEAD_LETTER_SCHEMA``; partition columns come from the path; read with
-``producer_tools.lake.read_lake``).
+Layout (``producer_tools.lake``): ``<lake>/<results|dead_letters>/run_id=<run>/date=<YYYY-MM-DD>/
+<topic>+<partition>+<start>-<end>.parquet``, plus ``<lake>/_sink/locks/`` and ``_sink/ranges/``.
+``date`` is the UTC day of the Kafka record timestamp (immutable, so every rewrite of a record
+picks the same directory); files hold the fixed schemas of ``producer_tools.lake``.
 
 Exactly once into the lake
 --------------------------
@@ -91,19 +84,12 @@ __all__ = ["result_row", "dead_letter_row", "rows_to_table", "SinkOptions", "Lak
 
 
 def _utc_date(ts_ms: int | None, fallback_s: float | None = None) -> str:
-    if ts_ms is not None and ts_ms >= 0:
-        secs = ts_ms / 1000.0
-    elif fallback_s is not None:
-        secs = fallback_s
-    else:
-        secs = 0.0
+    secs = ts_ms / 1000.0 if ts_ms is not None and ts_ms >= 0 else fallback_s if fallback_s is not None else 0.0
     return dt.datetime.fromtimestamp(secs, dt.timezone.utc).strftime("%Y-%m-%d")
 
 
 def _ts_ms(ts: int | None) -> dt.datetime | None:
-    if ts is None or ts < 0:
-        return None
-    return dt.datetime.fromtimestamp(ts / 1000.0, dt.timezone.utc)
+    return None if ts is None or ts < 0 else dt.datetime.fromtimestamp(ts / 1000.0, dt.timezone.utc)
 
 
 def _ts_s(secs: float | None) -> dt.datetime | None:
@@ -243,6 +229,17 @@ def table_bytes(tbl: pa.Table) -> bytes:
     return buf.getvalue()
 
 
+async def _in_thread(fn, *args):
+    """``fn(*args)`` in a thread; cancelled, still waits for the thread (the caller's partition
+    locks must outlive its writes) before it re-raises."""
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait([fut])
+        raise
+
+
 # --------------------------------------------------------------------------------------------
 # the sink
 # --------------------------------------------------------------------------------------------
@@ -348,7 +345,7 @@ class LakeSink:
         for tp in new:      # own every new partition before looking at the lake
             self.parts[tp] = _Partition(tp.topic, tp.partition, self.tables[tp.topic],
                                         await self._acquire_lock(tp.topic, tp.partition))
-        indexed = await asyncio.to_thread(self._load_indexes, [self.parts[tp] for tp in new])
+        indexed = await _in_thread(self._load_indexes, [self.parts[tp] for tp in new])
         for tp in new:
             p = self.parts[tp]
             ranges = indexed[tp.topic, tp.partition]
@@ -454,7 +451,7 @@ class LakeSink:
                 return
             start, end = p.buf[0].offset, p.buf[-1].offset
             new_range = True
-        await asyncio.to_thread(self._write_segment, p, start, end, p.buf, new_range)
+        await _in_thread(self._write_segment, p, start, end, p.buf, new_range)
         self.stats["segments"] += 1
         if not new_range:
             self.stats["replayed_segments"] += 1
