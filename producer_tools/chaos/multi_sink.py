@@ -37,6 +37,7 @@ ABORT_EVERY = 8
 RUNS = ("ms-a", "ms-b", "ms-c")     # three run ids: three files per segment
 REPLAY_LINE = "are finished with their own bounds"
 CUT_LINE = "left to the next owner"
+STARTUP_S = 5.0             # SIGTERM only sinks up this long (their handler is installed)
 
 
 def _result(rid: str, run: str, i: int) -> S.InferResult:
@@ -134,9 +135,15 @@ async def run_multi_sink(broker: Broker, *, scenes: int = 600, faults: int = 12,
     committed: set = set()
     aborted: set = set()
     actions = Counter()
+    started: dict[str, float] = {}
+
+    def start(m: Managed) -> None:
+        m.start()
+        started[m.name] = time.monotonic()
+
     try:
         for m in sinks:
-            m.start()
+            start(m)
         waves = 4
         bounds = [scenes * w // waves for w in range(waves + 1)]
 
@@ -158,13 +165,16 @@ async def run_multi_sink(broker: Broker, *, scenes: int = 600, faults: int = 12,
                 if kind == "kill":
                     await rng.choice(alive).kill()
                     fig.sink_kills += 1
-                elif kind == "term":
-                    m = rng.choice(alive)
+                elif kind == "term":          # a sink still importing has no SIGTERM handler yet
+                    settled_in = [m for m in alive if time.monotonic() - started[m.name] >= STARTUP_S]
+                    if not settled_in:
+                        continue
+                    m = rng.choice(settled_in)
                     code = await m.terminate(60)
                     if code != 0:
                         fig.failures.append(f"{m.name} exited {code} after SIGTERM:\n{m.tail(8)}")
                 else:
-                    rng.choice(stopped).start()
+                    start(rng.choice(stopped))
                     fig.sink_restarts += 1
                 actions[kind] += 1
 
@@ -172,7 +182,7 @@ async def run_multi_sink(broker: Broker, *, scenes: int = 600, faults: int = 12,
         fig.kills_requested = fig.sink_kills
         for m in sinks:
             if not m.alive:
-                m.start()
+                start(m)
                 fig.sink_restarts += 1
         t_settle = time.monotonic()
         deadline = t_settle + timeout
@@ -182,6 +192,7 @@ async def run_multi_sink(broker: Broker, *, scenes: int = 600, faults: int = 12,
                 break
             await asyncio.sleep(1.0)
         fig.settle_s = round(time.monotonic() - t_settle, 1)
+        await asyncio.sleep(max(0.0, STARTUP_S - (time.monotonic() - max(started.values()))))
         codes = [await m.terminate(60) for m in sinks]
         fig.sink_exit_code = next((c for c in codes if c != 0), 0)
     finally:

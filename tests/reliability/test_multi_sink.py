@@ -26,7 +26,7 @@ def assert_multi_sink_figures(fig: Figures, scenes: int) -> None:
 
 
 async def test_three_sinks_killed_and_rebalanced_while_replaying_land_every_record_once(kafka_bootstrap, tmp_path):
-    fig = await run_multi_sink(Broker(kafka_bootstrap), scenes=240, faults=6, partitions=2, seed=3,
+    fig = await run_multi_sink(Broker(kafka_bootstrap), scenes=240, faults=8, partitions=2, seed=3, debug_pause=0.2,
                                work=tmp_path, timeout=240, gap_s=(0.5, 1.5))
     assert_multi_sink_figures(fig, 240)
 
