@@ -22,7 +22,7 @@ from urllib.parse import quote
 
 import pyarrow as pa
 
-from producer_tools.common import ToolError
+from producer_tools.common import ToolError, atomic_write_bytes, fsync_dir
 
 __all__ = [
     "RESULT_SCHEMA",
@@ -35,6 +35,10 @@ __all__ = [
     "hive_dir",
     "scan_ranges",
     "check_ranges",
+    "range_index_path",
+    "read_range_index",
+    "write_range_index",
+    "append_range",
     "read_lake",
     "one_row_per_request",
 ]
@@ -176,6 +180,58 @@ def check_ranges(topic: str, partition: int, ranges: list[tuple[int, int]]) -> N
         if s2 <= e1:
             raise ToolError(f"the lake holds overlapping segments of {topic}+{partition}: {s1}-{e1} and {s2}-{e2}; "
                             "refusing to write (was a sink run without the partition lock?)")
+
+
+# --------------------------------------------------------------------------------------------
+# the range index: the sink's offset log of one topic-partition, one "<start> <end>" line per segment
+# --------------------------------------------------------------------------------------------
+
+
+def range_index_path(lake: str | os.PathLike, topic: str, partition: int) -> Path:
+    """``<lake>/_sink/ranges/<topic>+<partition>.ranges`` (readers of the tables skip ``_`` paths)."""
+    return Path(lake) / "_sink" / "ranges" / f"{topic}+{int(partition)}.ranges"
+
+
+def read_range_index(lake: str | os.PathLike, topic: str, partition: int,
+                     repair: bool = False) -> list[tuple[int, int]] | None:
+    """Sorted distinct ranges of the index, or None when the partition has none yet. A last line
+    without its newline is an append torn by a crash: no file of that range was written (files
+    come after the line is durable), so it is ignored (``repair``: and cut off, so that the next
+    append starts a line; only the holder of the partition's lock may repair)."""
+    path = range_index_path(lake, topic, partition)
+    try:
+        text = path.read_text("ascii")
+    except FileNotFoundError:
+        return None
+    lines = text.split("\n")
+    out = set()
+    for i, line in enumerate(lines[:-1]):            # lines[-1]: "" or a torn append
+        m = re.fullmatch(r"(\d+) (\d+)", line)
+        if not m or int(m[1]) > int(m[2]):
+            raise ToolError(f"{path}: line {i + 1} is not '<start> <end>': {line[:80]!r}")
+        out.add((int(m[1]), int(m[2])))
+    if repair and lines[-1]:
+        write_range_index(lake, topic, partition, sorted(out))
+    return sorted(out)
+
+
+def write_range_index(lake: str | os.PathLike, topic: str, partition: int, ranges: list[tuple[int, int]]) -> None:
+    """Create the index (atomically) from ranges found by one scan of the lake."""
+    atomic_write_bytes(range_index_path(lake, topic, partition),
+                       "".join(f"{s} {e}\n" for s, e in sorted(set(ranges))).encode("ascii"))
+
+
+def append_range(lake: str | os.PathLike, topic: str, partition: int, start: int, end: int) -> None:
+    """Record a new segment's bounds durably, before any of its files is written."""
+    path = range_index_path(lake, topic, partition)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists()
+    with open(path, "ab") as f:
+        f.write(f"{int(start)} {int(end)}\n".encode("ascii"))
+        f.flush()
+        os.fsync(f.fileno())
+    if new:
+        fsync_dir(path.parent)
 
 
 _COORDS = ("kafka_topic", "kafka_partition", "kafka_offset")

@@ -1,17 +1,10 @@
 """``alpamayo-producer sink``: result and dead-letter topics -> a Hive-partitioned Parquet lake,
 exactly once.
 
-Layout::
-
-    <lake>/results/run_id=<run>/date=<YYYY-MM-DD>/<topic>+<partition>+<start>-<end>.parquet
-    <lake>/dead_letters/run_id=<run>/date=<YYYY-MM-DD>/<topic>+<partition>+<start>-<end>.parquet
-    <lake>/_sink/locks/<topic>+<partition>.lock
-
-``run_id`` is URI-encoded (``__HIVE_DEFAULT_PARTITION__`` when null); ``date`` is the UTC day of
-the Kafka record timestamp (immutable, so every rewrite of a record picks the same directory).
-Files hold the fixed schemas of ``producer_tools.lake`` (``RESULT_SCHEMA`` /
-``DEAD_LETTER_SCHEMA``; partition columns come from the path; read with
-``producer_tools.lake.read_lake``).
+Layout (``producer_tools.lake``): ``<lake>/<results|dead_letters>/run_id=<run>/date=<YYYY-MM-DD>/
+<topic>+<partition>+<start>-<end>.parquet``, plus ``<lake>/_sink/locks/`` and ``_sink/ranges/``.
+``date`` is the UTC day of the Kafka record timestamp (immutable, so every rewrite of a record
+picks the same directory); files hold the fixed schemas of ``producer_tools.lake``.
 
 Exactly once into the lake
 --------------------------
@@ -26,16 +19,24 @@ offset log (the Kafka Connect HDFS recovery idea). The protocol:
    (manual commit, ``read_committed`` consumer). The commit only saves re-reading work; the
    files are the truth.
 3. On assignment of a partition (holding an ``flock`` on its lock file, so a zombie sink still
-   writing it blocks the new owner), the sink lists the lake's files of that topic-partition.
-   Every range ``[s, e]`` found with ``e >=`` the committed offset is *replayed with exactly
+   writing it blocks the new owner), the sink reads the partition's *range index*
+   (``<lake>/_sink/ranges/<topic>+<partition>.ranges``, ``producer_tools.lake``): one line per
+   segment, appended and fsynced *before* the segment's first file, so it lists every range that
+   may have files (a lake of an older sink gets its index from one scan of the lake, once).
+   Every range ``[s, e]`` listed with ``e >=`` the committed offset is *replayed with exactly
    those bounds*: the records ``s..e`` are re-read (the sink seeks back to ``s`` when the
    committed offset falls inside a range) and only the files of that range that are missing are
    written. A file's content is a function of the records of its range and of its directory
    (the Kafka log is immutable), so a present file already holds exactly the rows a rewrite would.
-4. Records outside every existing range form new segments, cut by ``--rotate-rows`` (per
+   A replay is written only once every record ``s..e`` still in the log was read: a replay cut
+   short (revocation, SIGTERM, ``--until-idle``, ``--max-records``) writes nothing and commits
+   nothing, and the next owner replays the range from ``s``.
+4. Records outside every listed range form new segments, cut by ``--rotate-rows`` (per
    partition), by ``--rotate-seconds`` since the segment's first record, before the start of the
-   next existing range, on revocation and on shutdown. Such records are in no file yet: a file
-   of a range ``[s, e]`` holds only records of ``s..e`` and that range was not found.
+   next listed range, on revocation and on shutdown. Such records are in no file yet: a file
+   of a range ``[s, e]`` holds only records of ``s..e`` and that range was not listed.
+5. Row decoding, Parquet encoding and the fsyncs run in a thread, never on the event loop, which
+   stays free for the consumer's heartbeats and rebalances.
 
 Hence every record lands in exactly one file: never twice (a record belongs to one range, which
 is either replayed with its own bounds into the files still missing, or new and in no file), and
@@ -44,7 +45,8 @@ with files is always finished on restart). Wall-clock rotation needs no state fi
 chosen boundaries are recorded by the file names themselves, and a crash before the first file of
 a segment leaves nothing behind to conflict with. The sink refuses to run when it finds
 overlapping ranges of one topic-partition (only possible if files were copied in by hand or two
-sinks wrote one partition without the lock). Limits: records deleted by retention or compaction
+sinks wrote one partition without the lock). Files copied into a lake by hand must come with
+their ranges: delete ``<lake>/_sink/ranges`` and the next assignment rebuilds it from a scan. Limits: records deleted by retention or compaction
 before a crashed range is replayed cannot be written; the lock needs a file system with working
 ``flock`` (local disks, NFSv4).
 """
@@ -73,34 +75,21 @@ from tqdm import tqdm
 
 import schemas as S
 from producer_tools.common import KafkaOptions, ToolError, atomic_write_bytes, client_kwargs
-from producer_tools.lake import TABLES, check_ranges, hive_dir, scan_ranges, segment_file_name
+from producer_tools.lake import (TABLES, append_range, check_ranges, hive_dir, read_range_index, scan_ranges,
+                                 segment_file_name, write_range_index)
 
 log = logging.getLogger("alpamayo.sink")
 
-__all__ = [
-    "result_row",
-    "dead_letter_row",
-    "rows_to_table",
-    "SinkOptions",
-    "LakeSink",
-    "run_sink",
-]
+__all__ = ["result_row", "dead_letter_row", "rows_to_table", "SinkOptions", "LakeSink", "run_sink"]
 
 
 def _utc_date(ts_ms: int | None, fallback_s: float | None = None) -> str:
-    if ts_ms is not None and ts_ms >= 0:
-        secs = ts_ms / 1000.0
-    elif fallback_s is not None:
-        secs = fallback_s
-    else:
-        secs = 0.0
+    secs = ts_ms / 1000.0 if ts_ms is not None and ts_ms >= 0 else fallback_s if fallback_s is not None else 0.0
     return dt.datetime.fromtimestamp(secs, dt.timezone.utc).strftime("%Y-%m-%d")
 
 
 def _ts_ms(ts: int | None) -> dt.datetime | None:
-    if ts is None or ts < 0:
-        return None
-    return dt.datetime.fromtimestamp(ts / 1000.0, dt.timezone.utc)
+    return None if ts is None or ts < 0 else dt.datetime.fromtimestamp(ts / 1000.0, dt.timezone.utc)
 
 
 def _ts_s(secs: float | None) -> dt.datetime | None:
@@ -122,10 +111,6 @@ def _lineage(record) -> dict[str, Any]:
             "kafka_timestamp": _ts_ms(record.timestamp), "decode_error": None}
 
 
-def _header_id(headers, name: str) -> str | None:
-    return S.header_value(headers, name)
-
-
 def _shape_ok(arr, shape: tuple[int, ...]) -> bool:
     if not isinstance(arr, list):
         return False
@@ -144,8 +129,8 @@ def result_row(record) -> tuple[str | None, dict[str, Any]]:
         res = S.decode_result(record.value, headers)
     except S.ContractError as err:
         key = record.key.decode("utf-8", "replace") if record.key else None
-        row.update(request_id=_header_id(headers, S.HEADER_REQUEST_ID) or key, decode_error=str(err)[:2000])
-        return _header_id(headers, S.HEADER_RUN_ID), row
+        row.update(request_id=S.header_value(headers, S.HEADER_REQUEST_ID) or key, decode_error=str(err)[:2000])
+        return S.header_value(headers, S.HEADER_RUN_ID), row
     m = res.metrics
     t = m.timings
     sd = m.speculative_decoding
@@ -209,9 +194,9 @@ def dead_letter_row(record) -> tuple[str | None, dict[str, Any]]:
     try:
         d = S.decode_dead_letter(record.value, headers)
     except S.ContractError as err:
-        row.update(request_id=_header_id(headers, S.HEADER_REQUEST_ID),
-                   error_code=_header_id(headers, S.HEADER_ERROR_CODE), decode_error=str(err)[:2000])
-        return _header_id(headers, S.HEADER_RUN_ID), row
+        row.update(request_id=S.header_value(headers, S.HEADER_REQUEST_ID),
+                   error_code=S.header_value(headers, S.HEADER_ERROR_CODE), decode_error=str(err)[:2000])
+        return S.header_value(headers, S.HEADER_RUN_ID), row
     row.update(
         request_id=d.request_id, schema_version=d.schema_version, error_code=d.error_code.value,
         error_field=d.error_field, error_message=d.error_message, retryable=d.retryable,
@@ -226,14 +211,33 @@ def dead_letter_row(record) -> tuple[str | None, dict[str, Any]]:
 _ROW_FN = {"results": result_row, "dead_letters": dead_letter_row}
 
 
+_CONVERT_CHUNK_ROWS = 64     # Arrow's conversion of Python rows holds the GIL: in short calls, so that
+                             # the sink's event loop (another thread) gets it back between them
+
+
 def rows_to_table(rows: list[dict[str, Any]], table: str) -> pa.Table:
-    return pa.Table.from_pylist(rows, schema=TABLES[table])
+    schema = TABLES[table]
+    if len(rows) <= _CONVERT_CHUNK_ROWS:
+        return pa.Table.from_pylist(rows, schema=schema)
+    return pa.concat_tables([pa.Table.from_pylist(rows[i:i + _CONVERT_CHUNK_ROWS], schema=schema)
+                             for i in range(0, len(rows), _CONVERT_CHUNK_ROWS)])
 
 
 def table_bytes(tbl: pa.Table) -> bytes:
     buf = io.BytesIO()
     pq.write_table(tbl, buf, compression="zstd")
     return buf.getvalue()
+
+
+async def _in_thread(fn, *args):
+    """``fn(*args)`` in a thread; cancelled, still waits for the thread (the caller's partition
+    locks must outlive its writes) before it re-raises."""
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait([fut])
+        raise
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,7 +290,7 @@ class LakeSink:
         self.consumer = None
         self.stop_event = asyncio.Event()
         self.stats = {"records": 0, "rows_written": 0, "files_written": 0, "files_skipped": 0,
-                      "segments": 0, "replayed_segments": 0, "commits_failed": 0}
+                      "segments": 0, "replayed_segments": 0, "replays_left": 0, "commits_failed": 0}
         self.assigned_once = asyncio.Event()
         self._bar = None
         # rebalance callbacks run on aiokafka's coordinator task, concurrently with the main loop's
@@ -323,8 +327,7 @@ class LakeSink:
         finally:
             os.close(p.lock_fd)
 
-    def _fail(self, exc: BaseException) -> None:
-        """aiokafka only logs a rebalance callback's exception: stop the sink and re-raise it."""
+    def _fail(self, exc: BaseException) -> None:     # aiokafka only logs a rebalance callback's exception
         if self.fatal is None:
             self.fatal = exc
         self.stop_event.set()
@@ -342,13 +345,10 @@ class LakeSink:
         for tp in new:      # own every new partition before looking at the lake
             self.parts[tp] = _Partition(tp.topic, tp.partition, self.tables[tp.topic],
                                         await self._acquire_lock(tp.topic, tp.partition))
-        by_table = {t: scan_ranges(self.lake, t) for t in {self.parts[tp].table for tp in new}}
+        indexed = await _in_thread(self._load_indexes, [self.parts[tp] for tp in new])
         for tp in new:
             p = self.parts[tp]
-            table = p.table
-            ranges = by_table[table].get((tp.topic, tp.partition), [])
-            check_ranges(tp.topic, tp.partition, ranges)
-            self._clean_temp_files(table, tp.topic, tp.partition)
+            ranges = indexed[tp.topic, tp.partition]
             committed = await self.consumer.committed(tp)
             start = committed if committed is not None else 0
             pending = [r for r in ranges if r[1] >= start]
@@ -364,18 +364,24 @@ class LakeSink:
                          tp.topic, tp.partition, len(pending), start)
         self.assigned_once.set()
 
-    def _clean_temp_files(self, table: str, topic: str, partition: int) -> None:
-        prefix = f".{topic}+{partition}+"
-        root = self.lake / table
-        if not root.is_dir():
-            return
-        for dirpath, _dirs, files in os.walk(root):
-            for name in files:
-                if name.startswith(prefix) and ".tmp-" in name:
-                    try:
-                        os.unlink(os.path.join(dirpath, name))
-                    except OSError:
-                        pass
+    def _load_indexes(self, parts: list[_Partition]) -> dict[tuple[str, int], list[tuple[int, int]]]:
+        """The owned partitions' range indexes (thread: file I/O). A partition without one (a lake
+        of an older sink) gets it from one scan of its table, written before anything else."""
+        out: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        scanned: dict[str, dict] = {}
+        for p in parts:
+            ranges = read_range_index(self.lake, p.topic, p.partition, repair=True)
+            if ranges is None:
+                if p.table not in scanned:
+                    scanned[p.table] = scan_ranges(self.lake, p.table)
+                ranges = scanned[p.table].get((p.topic, p.partition), [])
+                check_ranges(p.topic, p.partition, ranges)
+                write_range_index(self.lake, p.topic, p.partition, ranges)
+                log.info("%s+%s: range index built from a scan of the lake (%d segments)",
+                         p.topic, p.partition, len(ranges))
+            check_ranges(p.topic, p.partition, ranges)
+            out[p.topic, p.partition] = ranges
+        return out
 
     async def on_revoked(self, revoked) -> None:
         async with self._lock:
@@ -404,7 +410,7 @@ class LakeSink:
         p.next_offset = o + 1
         while p.replay and o > p.replay[0][1]:
             if p.buf:
-                await self._flush(tp, p)    # the replay range (its end record is gone) or free records before it
+                await self._flush(tp, p, complete=True)   # the replay range (its end record is gone) or free records
             else:
                 p.replay.pop(0)             # none of that range's records are left in the log
         if p.replay and o >= p.replay[0][0]:
@@ -413,7 +419,7 @@ class LakeSink:
             p.buf_kind = "replay"
             self._append(p, record)
             if o == p.replay[0][1]:
-                await self._flush(tp, p)
+                await self._flush(tp, p, complete=True)
             return
         p.buf_kind = "free"
         self._append(p, record)
@@ -425,16 +431,43 @@ class LakeSink:
             p.started = time.monotonic()
         p.buf.append(record)
 
-    async def _flush(self, tp, p: _Partition) -> None:
-        """Write the buffered segment (missing files only), then commit its end + 1."""
+    async def _flush(self, tp, p: _Partition, complete: bool = False) -> None:
+        """Write the buffered segment (missing files only), then commit its end + 1. A replay
+        buffer is written only ``complete`` (every record of its range still in the log was read);
+        cut short (revocation, shutdown, idle, ``max_records``) it is dropped: nothing written,
+        nothing committed, and the partition's next owner replays the range from its start."""
         if p.buf_kind == "replay" and p.replay:
             start, end = p.replay[0]
-            records = p.buf
+            if not complete:
+                log.info("%s+%s: replay of lake segment %s-%s stopped after offset %s: left to the next owner",
+                         p.topic, p.partition, start, end, p.buf[-1].offset if p.buf else None)
+                self.stats["replays_left"] += 1
+                p.buf = []
+                p.buf_kind = "free"
+                return
+            new_range = False
         else:
             if not p.buf:
                 return
             start, end = p.buf[0].offset, p.buf[-1].offset
-            records = p.buf
+            new_range = True
+        await _in_thread(self._write_segment, p, start, end, p.buf, new_range)
+        self.stats["segments"] += 1
+        if not new_range:
+            self.stats["replayed_segments"] += 1
+            p.replay.pop(0)
+        p.buf = []
+        p.buf_kind = "free"
+        await self._commit(tp, end + 1)
+        if self._bar is not None:
+            self._bar.set_postfix(files=self.stats["files_written"], skipped=self.stats["files_skipped"], refresh=False)
+
+    def _write_segment(self, p: _Partition, start: int, end: int, records: list, new_range: bool) -> None:
+        """Decode, encode and write the segment's missing files (a thread: keeps the loop free for
+        heartbeats and rebalances; the sink's lock keeps one flush at a time). A new segment's
+        bounds go to the range index first, so a crash between its files leaves a range to finish."""
+        if new_range:
+            append_range(self.lake, p.topic, p.partition, start, end)
         groups: dict[tuple[str | None, str], list[dict]] = defaultdict(list)
         row_fn = _ROW_FN[p.table]
         for r in records:
@@ -447,20 +480,13 @@ class LakeSink:
             if path.exists():
                 self.stats["files_skipped"] += 1
                 continue
+            for stale in path.parent.glob(f".{name}.tmp-*"):      # left by a sink killed mid-write
+                stale.unlink(missing_ok=True)
             atomic_write_bytes(path, table_bytes(rows_to_table(rows, p.table)))
             self.stats["files_written"] += 1
             self.stats["rows_written"] += len(rows)
             if self.opts.debug_pause:
-                await asyncio.sleep(self.opts.debug_pause)
-        self.stats["segments"] += 1
-        if p.buf_kind == "replay" and p.replay:
-            self.stats["replayed_segments"] += 1
-            p.replay.pop(0)
-        p.buf = []
-        p.buf_kind = "free"
-        await self._commit(tp, end + 1)
-        if self._bar is not None:
-            self._bar.set_postfix(files=self.stats["files_written"], skipped=self.stats["files_skipped"], refresh=False)
+                time.sleep(self.opts.debug_pause)
 
     async def _commit(self, tp, offset: int) -> None:
         try:
@@ -483,7 +509,7 @@ class LakeSink:
                     continue
                 if pos > p.replay[0][1]:
                     if p.buf_kind == "replay":
-                        await self._flush(tp, p)
+                        await self._flush(tp, p, complete=True)
                     elif not p.buf:
                         p.replay.pop(0)
 

@@ -12,6 +12,7 @@ and prints one row of figures per run::
     python -m producer_tools.chaos fuzz --bad 10000 --good 200
     python -m producer_tools.chaos soak --minutes 30 --rate 2
     python -m producer_tools.chaos poison --scenes 40
+    python -m producer_tools.chaos multi-sink --scenes 2000 --faults 30
 
 Scenarios
 ---------
@@ -35,6 +36,13 @@ Scenarios
     ``--good`` valid scenes through one worker: the worker must stay up, every bad message must
     come back as a dead letter whose code is one its category allows, every good one as a
     result, and the worker's RSS (``/proc/PID/status``) must grow less than ``--max-rss-growth-mb``.
+``multi-sink``
+    no worker: result records published in transactions (one in eight aborted) while three sinks
+    of one group are SIGKILLed, SIGTERMed and restarted ``--faults`` times at random, with small
+    segments and a pause after each data file, so that kills land between a segment's files and
+    the next owners replay crashed segments while being killed, stopped or revoked themselves.
+    Passes when every committed record is in the lake exactly once and no aborted one is
+    (``producer_tools.chaos.multi_sink``).
 ``soak``
     publishing at ``--rate`` scenes/s for ``--minutes``; the worker's (and sink's) RSS and the
     worker's ``alpamayo_gpu_memory_bytes`` are sampled; growth and slope are reported.
@@ -62,5 +70,5 @@ shows no duplicate, every requested fault landed mid-run and the final SIGTERM d
 
 Modules: ``figures`` (one row per run), ``fuzz`` (the bad-message corpus), ``broker`` (the cluster,
 topics, offsets), ``processes`` (the supervised worker and sink), ``monitor`` (the output topics as
-a reader sees them), ``pipeline`` (one run end to end), ``scenarios``, ``__main__`` (the command).
+a reader sees them), ``pipeline`` (one run end to end), ``scenarios``, ``multi_sink``, ``__main__`` (the command).
 """

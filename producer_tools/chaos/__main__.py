@@ -15,6 +15,7 @@ from pathlib import Path
 from producer_tools import chaos
 from producer_tools.chaos.broker import Broker
 from producer_tools.chaos.figures import Figures, format_table
+from producer_tools.chaos.multi_sink import run_multi_sink
 from producer_tools.chaos.pipeline import DEFAULT_PARTITIONS, GUARANTEES, _work_dir
 from producer_tools.chaos.poison import run_poison
 from producer_tools.chaos.scenarios import run_broker_restart, run_crash, run_fuzz, run_leader_kill, run_soak
@@ -36,9 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
                                  description=chaos.__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("scenario", choices=["crash", "broker-restart", "leader-kill", "fuzz", "soak", "zombie",
-                                        "same-host", "poison"])
-    ap.add_argument("--scenes", type=int, default=None, help="scenes to publish (crash/broker faults/poison)")
+                                        "same-host", "poison", "multi-sink"])
+    ap.add_argument("--scenes", type=int, default=None, help="scenes to publish (crash/broker faults/poison/multi-sink)")
     ap.add_argument("--kills", type=int, default=None, help="crash: worker SIGKILLs (default 3)")
+    ap.add_argument("--faults", type=int, default=12,
+                    help="multi-sink: random sink faults (SIGKILL, SIGTERM, restart; default 12)")
     ap.add_argument("--sink-kills", type=int, default=0, help="crash: sink SIGKILLs as well (default 0)")
     ap.add_argument("--guarantee", type=_guarantees, default=None,
                     help="exactly_once | at_least_once | both (default: both for crash, exactly_once otherwise; "
@@ -105,6 +108,9 @@ async def _main(args) -> list[Figures]:
             elif sc == "same-host":
                 fig = await run_same_host(broker, scenes=args.scenes or 200, reasoning_tokens=args.reasoning_tokens,
                                           **common)
+            elif sc == "multi-sink":
+                fig = await run_multi_sink(broker, scenes=args.scenes or 600, faults=args.faults, seed=args.seed,
+                                           work=work, partitions=args.partitions, timeout=args.timeout)
             elif sc == "fuzz":
                 fig = await run_fuzz(broker, bad=args.bad, good=args.good, seed=args.seed,
                                      max_rss_growth_mb=args.max_rss_growth_mb, **common)

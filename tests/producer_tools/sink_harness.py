@@ -72,12 +72,12 @@ class Rec:
 
 
 def result_records(n: int, topic: str = "res", partition: int = 0, runs=("runA", "runB", "runC"),
-                   gaps: bool = False) -> list[Rec]:
+                   gaps: bool = False, k: int = 1) -> list[Rec]:
     out, off = [], 0
     for i in range(n):
         run = runs[i % len(runs)]
-        rid = f"{run}:s{i}:trajectory:k1"
-        v, h = S.encode_result(make_result(rid, run, i))
+        rid = f"{run}:s{i}:trajectory:k{k}"
+        v, h = S.encode_result(make_result(rid, run, i, k=k))
         out.append(Rec(topic, partition, off, 1_700_000_000_000 + i * 1000, rid.encode(), v, tuple(h)))
         off += 2 if gaps and i % 4 == 3 else 1       # transaction markers leave offset gaps
     return out

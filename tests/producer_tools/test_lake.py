@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from producer_tools import lake as LK
+from producer_tools.common import ToolError
 
 from tests.producer_tools.sink_harness import FakeConsumer, Rec, result_records, sink_pass
 
@@ -39,3 +40,18 @@ async def test_dedupe_read_keeps_the_earliest_record_of_each_request(tmp_path):
     assert {r["request_id"]: r["kafka_offset"] for r in deduped} == {r.key.decode(): r.offset for r in first}
     one_run = LK.read_lake(tmp_path, "results", run_id="runB", dedupe=True)
     assert one_run.num_rows == 2 and "run_id" in one_run.column_names
+
+
+def test_range_index_ignores_and_repairs_an_append_torn_by_a_crash(tmp_path):
+    assert LK.read_range_index(tmp_path, "res", 0) is None
+    LK.append_range(tmp_path, "res", 0, 0, 3)
+    LK.append_range(tmp_path, "res", 0, 4, 9)
+    path = LK.range_index_path(tmp_path, "res", 0)
+    path.write_text(path.read_text() + "10 1")              # killed mid-append: no file of it exists
+    assert LK.read_range_index(tmp_path, "res", 0) == [(0, 3), (4, 9)]
+    assert LK.read_range_index(tmp_path, "res", 0, repair=True) == [(0, 3), (4, 9)]
+    LK.append_range(tmp_path, "res", 0, 10, 12)
+    assert path.read_text() == "0 3\n4 9\n10 12\n"
+    path.write_text("0 3\nx\n")
+    with pytest.raises(ToolError, match="line 2"):
+        LK.read_range_index(tmp_path, "res", 0)

@@ -2,6 +2,9 @@
 crash recovery (driven record by record): every record lands exactly once. The sink as a SIGKILLed
 subprocess on a real broker: test_tools_on_kafka.py."""
 
+import asyncio
+import time
+
 import pytest
 
 import schemas as S
@@ -9,7 +12,7 @@ from producer_tools import lake as LK
 from producer_tools import sink as K
 from producer_tools.common import ToolError
 
-from tests.producer_tools.sink_harness import (Crash, FakeConsumer, Rec, lake_offsets, make_dead_letter, make_result,
+from tests.producer_tools.sink_harness import (KAFKA, Crash, FakeConsumer, Rec, lake_offsets, make_dead_letter, make_result,
                                                result_records, sink_pass, topic_partition)
 
 
@@ -107,5 +110,85 @@ async def test_sink_refuses_overlapping_segments(tmp_path):
     f = next(tmp_path.rglob("*.parquet"))
     f.rename(f.with_name(LK.segment_file_name("res", 0, 2, 9)))
     (f.parent / LK.segment_file_name("res", 0, 0, 4)).write_bytes(b"x")
+    index = LK.range_index_path(tmp_path, "res", 0)
+    index.unlink()                              # files copied in by hand: the index is rebuilt by a scan
     with pytest.raises(ToolError, match="overlapping"):
         await sink_pass(tmp_path, recs, FakeConsumer(), rotate_rows=6)
+    index.write_text("0 4\n2 9\n")
+    with pytest.raises(ToolError, match="overlapping"):
+        await sink_pass(tmp_path, recs, FakeConsumer(), rotate_rows=6)
+
+
+@pytest.mark.parametrize("cut", ["revoked", "shutdown"])
+async def test_a_replay_cut_short_writes_and_commits_nothing(tmp_path, cut):
+    """Segment 0-11 crashed before its run-B file; the next owner reads 0-4 of it and is revoked
+    (or stopped): nothing is written under the range's name, no offset is committed, and a third
+    sink finishes the range: every record once."""
+    recs = result_records(12)
+    tp = topic_partition()
+    await sink_pass(tmp_path, recs, FakeConsumer(), rotate_rows=12)
+    next((tmp_path / "results").glob("run_id=runB/*/*.parquet")).unlink()
+    second = FakeConsumer(committed={tp: 0})
+    sink = K.LakeSink(KAFKA, K.SinkOptions(lake=str(tmp_path), rotate_seconds=1e9, progress=False))
+    sink.consumer = second
+    await sink.on_assigned([tp])
+    for r in recs[:5]:
+        await sink._add(tp, sink.parts[tp], r)
+    if cut == "revoked":
+        await sink.on_revoked([tp])
+    else:
+        await sink._flush(tp, sink.parts[tp])
+        sink._release(sink.parts.pop(tp))
+    assert second.committed_offsets[tp] == 0 and sink.stats["replays_left"] == 1
+    assert not list((tmp_path / "results").glob("run_id=runB/*/*.parquet"))
+    assert lake_offsets(tmp_path) == [o for o in range(12) if o % 3 != 1]
+    third = await sink_pass(tmp_path, recs, FakeConsumer(committed=second.committed_offsets), rotate_rows=5)
+    assert lake_offsets(tmp_path) == list(range(12)) and third.stats["replayed_segments"] == 1
+
+
+async def test_assignment_reads_the_range_index_not_the_lake(tmp_path, monkeypatch):
+    recs = result_records(12)
+    await sink_pass(tmp_path, recs, FakeConsumer(), rotate_rows=4)
+    assert LK.read_range_index(tmp_path, "res", 0) == [(0, 3), (4, 7), (8, 11)]
+
+    def no_scan(*_a):
+        raise AssertionError("the lake was scanned on assignment")
+
+    monkeypatch.setattr(K, "scan_ranges", no_scan)
+    next((tmp_path / "results").glob("run_id=runC/*/*.parquet")).unlink()     # a lost file is still replayed
+    again = await sink_pass(tmp_path, recs, FakeConsumer(), rotate_rows=5)
+    assert lake_offsets(tmp_path) == list(range(12)) and again.stats["replayed_segments"] == 3
+
+
+async def test_writing_a_large_segment_leaves_the_event_loop_free(tmp_path):
+    """Decoding and encoding 600 K=3 rows takes seconds of CPU: a coroutine ticking every 5 ms
+    (as aiokafka's heartbeat task does) is never held up for more than a fraction of that (on the
+    loop, it would wait for the whole segment)."""
+    recs = result_records(600, k=3)
+    tp = topic_partition()
+    sink = K.LakeSink(KAFKA, K.SinkOptions(lake=str(tmp_path), rotate_rows=10**6, rotate_seconds=1e9,
+                                           progress=False))
+    sink.consumer = FakeConsumer()
+    await sink.on_assigned([tp])
+    for r in recs:
+        await sink._add(tp, sink.parts[tp], r)
+    gaps, writing = [], [True]
+
+    async def heartbeat():
+        while writing[0]:
+            t = time.monotonic()
+            await asyncio.sleep(0.005)
+            gaps.append(time.monotonic() - t - 0.005)
+
+    beat = asyncio.ensure_future(heartbeat())
+    await asyncio.sleep(0.05)
+    t0 = time.monotonic()
+    await sink._flush(tp, sink.parts[tp])
+    took = time.monotonic() - t0
+    writing[0] = False
+    await beat
+    sink._release(sink.parts.pop(tp))
+    assert lake_offsets(tmp_path) == list(range(600))
+    print(f"segment written in {took:.2f}s; loop's longest gap {max(gaps) * 1000:.0f} ms over {len(gaps)} ticks")
+    assert took > 0.5, "the segment is too small to show anything"
+    assert max(gaps) < min(0.5, took / 4)
