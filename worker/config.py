@@ -70,6 +70,7 @@ class Settings:
     http_port: int = 8000
     drain_timeout_s: float = 60.0
     gpu_memory_fraction: float = 0.90           # weights + KV cache + reserve, of the GPU's memory
+    kafka_wait_s: float = 5.0                   # startup: how long to wait for a reachable broker
     claim_check_roots: tuple[str, ...] = ()
     worker_id: str = "worker"
     cache: Path = field(default_factory=cache_dir)
@@ -184,6 +185,14 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     if not 0.0 < gpu_fraction <= 1.0:
         raise ConfigError(f"ALPAMAYO_GPU_MEMORY_FRACTION={fraction!r} is not a fraction of GPU memory: use a number "
                           "in (0, 1], e.g. ALPAMAYO_GPU_MEMORY_FRACTION=0.90")
+    wait = env.get("ALPAMAYO_KAFKA_WAIT_S")
+    try:
+        kafka_wait = float(wait) if wait else 5.0
+    except ValueError:
+        kafka_wait = -1.0
+    if not 0.0 <= kafka_wait <= 86400:
+        raise ConfigError(f"ALPAMAYO_KAFKA_WAIT_S={wait!r} is not a number of seconds (0 to 86400), "
+                          "e.g. ALPAMAYO_KAFKA_WAIT_S=300 to wait for Kafka at startup")
     for t in ("ALPAMAYO_REQUEST_TOPIC", "ALPAMAYO_RESULT_TOPIC", "ALPAMAYO_DEAD_LETTER_TOPIC"):
         v = env.get(t)
         if v is not None and not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", v):
@@ -216,6 +225,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         http_port=_int(env, "ALPAMAYO_HTTP_PORT", 8000, 0, 65535),
         drain_timeout_s=drain_s,
         gpu_memory_fraction=gpu_fraction,
+        kafka_wait_s=kafka_wait,
         claim_check_roots=roots,
         worker_id=instance or env.get("ALPAMAYO_WORKER_ID") or host,
         cache=cache_dir(env),
@@ -254,6 +264,7 @@ VARIABLES: dict[str, str] = {
     "ALPAMAYO_HTTP_HOST": "side port bind address (default 0.0.0.0)",
     "ALPAMAYO_HTTP_PORT": "side port: health, models, metrics (default 8000)",
     "ALPAMAYO_DRAIN_TIMEOUT_S": "SIGTERM grace: finish, publish and commit within this (default 60)",
+    "ALPAMAYO_KAFKA_WAIT_S": "startup: seconds to wait for a reachable Kafka broker before refusing (default 5)",
     "ALPAMAYO_GPU_MEMORY_FRACTION": "share of GPU memory for weights + KV cache + reserve, as vLLM's "
                                     "gpu_memory_utilization (default 0.90); sizes the cache's rows",
     "ALPAMAYO_CLAIM_CHECK_ROOTS": "comma list of allowed claim-check URI prefixes (file:///data/,...)",

@@ -10,6 +10,7 @@ Kafka clients are built with it as well.
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,6 +21,8 @@ from aiokafka.errors import KafkaError, SaslAuthenticationFailed
 from aiokafka.helpers import create_ssl_context
 
 from worker.config import DEFAULT_SASL_MECHANISM, ConfigError, Settings
+
+log = logging.getLogger("alpamayo.worker")
 
 __all__ = ["KafkaSecurity", "security_kwargs", "instance_id", "transactional_id", "producer_kwargs",
            "consumer_kwargs", "kafka_preflight", "PartitionProducers"]
@@ -136,32 +139,46 @@ def consumer_kwargs(settings: Settings, revoke_timeout_s: float) -> dict[str, An
 async def kafka_preflight(settings: Settings, timeout: float = 20.0) -> None:
     """Open one connection to a bootstrap server with the configured security, before minutes of
     model loading. Refused credentials or an untrusted broker certificate raise ConfigError (one
-    line, exit 2); an unreachable broker is not a refusal (it may be starting): the Kafka clients'
-    own retries deal with it later."""
+    line, exit 2) at once. No reachable broker: retry for ALPAMAYO_KAFKA_WAIT_S (a line "waiting
+    for Kafka at ..." every 5 s), then ConfigError naming ALPAMAYO_KAFKA_BOOTSTRAP_SERVERS."""
     sec = security_kwargs(settings)
-    for hostport in settings.bootstrap_servers.split(","):
-        host, _, port = hostport.strip().rpartition(":")
-        try:
-            conn = await asyncio.wait_for(create_conn(
-                host, int(port), client_id=f"alpamayo-{settings.worker_id}-preflight",
-                request_timeout_ms=int(timeout * 1000), security_protocol=sec["security_protocol"],
-                ssl_context=sec.get("ssl_context"), sasl_mechanism=sec.get("sasl_mechanism"),
-                sasl_plain_username=sec.get("sasl_plain_username"),
-                sasl_plain_password=sec.get("sasl_plain_password")), timeout)
-        except SaslAuthenticationFailed:
-            raise ConfigError(
-                f"Kafka at {hostport} refused the credentials of user {settings.sasl_username!r} "
-                f"({settings.sasl_mechanism}): check ALPAMAYO_KAFKA_SASL_USERNAME and ALPAMAYO_KAFKA_SASL_PASSWORD"
-            ) from None
-        except ssl.SSLCertVerificationError as exc:
-            raise ConfigError(
-                f"Kafka at {hostport}: the broker certificate is not trusted ({exc.verify_message}): set "
-                "ALPAMAYO_KAFKA_SSL_CAFILE to the CA certificate (PEM) that signed it") from None
-        except (OSError, KafkaError, asyncio.TimeoutError, ssl.SSLError) as exc:
-            if settings.security_protocol == "PLAINTEXT" and "closed" in str(exc):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + settings.kafka_wait_s
+    next_note = loop.time() + 5.0
+    last = ""
+    while True:
+        for hostport in settings.bootstrap_servers.split(","):
+            host, _, port = hostport.strip().rpartition(":")
+            try:
+                conn = await asyncio.wait_for(create_conn(
+                    host, int(port), client_id=f"alpamayo-{settings.worker_id}-preflight",
+                    request_timeout_ms=int(timeout * 1000), security_protocol=sec["security_protocol"],
+                    ssl_context=sec.get("ssl_context"), sasl_mechanism=sec.get("sasl_mechanism"),
+                    sasl_plain_username=sec.get("sasl_plain_username"),
+                    sasl_plain_password=sec.get("sasl_plain_password")), timeout)
+            except SaslAuthenticationFailed:
                 raise ConfigError(
-                    f"Kafka at {hostport} closed a PLAINTEXT connection at once: the listener probably needs "
-                    "TLS/SASL (set ALPAMAYO_KAFKA_SECURITY_PROTOCOL)") from None
-            continue                       # unreachable: try the next one; the clients retry later
-        conn.close()
-        return
+                    f"Kafka at {hostport} refused the credentials of user {settings.sasl_username!r} "
+                    f"({settings.sasl_mechanism}): check ALPAMAYO_KAFKA_SASL_USERNAME and ALPAMAYO_KAFKA_SASL_PASSWORD"
+                ) from None
+            except ssl.SSLCertVerificationError as exc:
+                raise ConfigError(
+                    f"Kafka at {hostport}: the broker certificate is not trusted ({exc.verify_message}): set "
+                    "ALPAMAYO_KAFKA_SSL_CAFILE to the CA certificate (PEM) that signed it") from None
+            except (OSError, KafkaError, asyncio.TimeoutError, ssl.SSLError) as exc:
+                if settings.security_protocol == "PLAINTEXT" and "closed" in str(exc):
+                    raise ConfigError(
+                        f"Kafka at {hostport} closed a PLAINTEXT connection at once: the listener probably needs "
+                        "TLS/SASL (set ALPAMAYO_KAFKA_SECURITY_PROTOCOL)") from None
+                last = f"{hostport}: {exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                continue                       # unreachable: try the next one
+            conn.close()
+            return
+        if loop.time() >= deadline:
+            raise ConfigError(
+                f"no Kafka broker answered at {settings.bootstrap_servers} within {settings.kafka_wait_s:g} s "
+                f"({last}): check ALPAMAYO_KAFKA_BOOTSTRAP_SERVERS, or set ALPAMAYO_KAFKA_WAIT_S to wait longer")
+        if loop.time() >= next_note:
+            log.warning("waiting for Kafka at %s (%s)", settings.bootstrap_servers, last)
+            next_note = loop.time() + 5.0
+        await asyncio.sleep(min(0.5, max(0.0, deadline - loop.time())))

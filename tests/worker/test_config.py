@@ -151,12 +151,14 @@ def test_check_head_cli(tiny, tmp_path):
                                                "exported head directory"]
 
 
-def test_serve_refuses_a_bad_checkpoint_before_ready(tmp_path):
-    """A checkpoint that fails its checks is a startup refusal: exit 2 with one line naming it."""
+def test_serve_refuses_a_bad_checkpoint_before_ready(tmp_path, kafka_bootstrap):
+    """A checkpoint that fails its checks is a startup refusal: exit 2 with one line naming it
+    (Kafka reachable: an unreachable broker is refused first, before any model work)."""
     empty = tmp_path / "ckpt"
     empty.mkdir()
     p = _cli(["serve"], {"NIM_FT_CHECKPOINT": str(empty), "ALPAMAYO_DEVICE": "cpu", "ALPAMAYO_HTTP_PORT": "0",
-                         "ALPAMAYO_HTTP_HOST": "127.0.0.1", "ALPAMAYO_LOG_LEVEL": "ERROR"})
+                         "ALPAMAYO_HTTP_HOST": "127.0.0.1", "ALPAMAYO_LOG_LEVEL": "ERROR",
+                         "ALPAMAYO_KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap})
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and str(empty) in lines[0], p.stderr

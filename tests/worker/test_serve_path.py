@@ -8,11 +8,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from worker.config import ConfigError, Settings
 from worker.dflash.head import HeadError
 from worker.errors import Refusal
 from worker.model.config import CheckpointError
+import worker.service as service_module
 from worker.service import EXIT_FAILED, EXIT_REFUSED, WorkerService
 
 from tests import REPO_ROOT
@@ -51,14 +53,32 @@ class _Engine:
         return {"object": "list", "data": []}
 
 
-def _serve_with_loader(loader) -> int:
-    # no broker at 127.0.0.1:1: the preflight skips an unreachable server (the clients retry later)
+def _serve_with_loader(loader, monkeypatch) -> int:
+    # no broker: the preflight is passed over here (tests/worker/test_kafka_clients.py tests it)
+    async def reachable(settings):
+        return None
+    monkeypatch.setattr(service_module, "kafka_preflight", reachable)
     settings = Settings(bootstrap_servers="127.0.0.1:1", http_host="127.0.0.1", http_port=0, worker_id="t")
     service = WorkerService(settings, _Engine(), engine_loader=loader, install_signal_handlers=False)
     return asyncio.run(service.run())
 
 
-def test_a_refusal_of_any_subclass_exits_2_and_other_load_failures_exit_1(capfd):
+def test_unreachable_kafka_refuses_before_the_model_loads(capfd):
+    """A closed port: exit 2 within the wait, one line naming ALPAMAYO_KAFKA_BOOTSTRAP_SERVERS,
+    and the engine loader never ran."""
+    loaded = []
+    settings = Settings(bootstrap_servers="127.0.0.1:1", http_host="127.0.0.1", http_port=0, worker_id="t",
+                        kafka_wait_s=1.0)
+    service = WorkerService(settings, _Engine(), engine_loader=lambda e, s: loaded.append(1),
+                            install_signal_handlers=False)
+    t0 = time.monotonic()
+    assert asyncio.run(service.run()) == EXIT_REFUSED
+    assert time.monotonic() - t0 < 15 and loaded == []
+    last = capfd.readouterr().err.strip().splitlines()[-1]
+    assert "ALPAMAYO_KAFKA_BOOTSTRAP_SERVERS" in last and "127.0.0.1:1" in last
+
+
+def test_a_refusal_of_any_subclass_exits_2_and_other_load_failures_exit_1(capfd, monkeypatch):
     class LicenceRefused(Refusal):
         pass
 
@@ -68,6 +88,6 @@ def test_a_refusal_of_any_subclass_exits_2_and_other_load_failures_exit_1(capfd)
     def crash(engine, settings):
         raise RuntimeError("out of memory")
 
-    assert _serve_with_loader(refuse) == EXIT_REFUSED
+    assert _serve_with_loader(refuse, monkeypatch) == EXIT_REFUSED
     assert capfd.readouterr().err.strip().splitlines() == ["the licence file is missing: set LICENCE"]
-    assert _serve_with_loader(crash) == EXIT_FAILED
+    assert _serve_with_loader(crash, monkeypatch) == EXIT_FAILED
