@@ -157,6 +157,17 @@ def make_runtime(model, cfg, tok, dev, dtype):
     return AlpamayoRuntime(model, cfg, tok, ids, proc, dev, dtype)
 
 
+def random_draft(rt, num_layers: int = 1):
+    """An untrained DFlash2 draft network for the runtime's model, in its dtype on its device
+    (the draft's cost is real; its proposals come from an oracle where acceptance matters)."""
+    from worker.dflash.draft import MASK_TOKEN, DraftModel
+    from worker.dflash.head import head_config_for
+
+    hc = head_config_for(rt.cfg, mask_token_id=rt.tok.token_to_id(MASK_TOKEN), num_layers=num_layers)
+    with torch.device(rt.device):
+        return DraftModel(hc).to(rt.dtype).eval().requires_grad_(False)
+
+
 def weight_bytes(model) -> int:
     lm = model.language_model
     n = sum(p.numel() * p.element_size() for p in lm.layers.parameters())
@@ -241,17 +252,14 @@ def hf_generate(t: Table, model, dev, context: int, new: int = 16) -> dict:
 
 def loops(t: Table, rt, head_layers: int, batches: list[int], context: int, new: int, taus=(2, 4, 6)) -> dict:
     """Baseline vs DFlash2 reasoning tokens/s (greedy; oracle proposals), draft pass time."""
-    from worker.dflash.draft import MASK_TOKEN, DraftModel
-    from worker.dflash.head import head_config_for
     from worker.dflash.loop import DFlash2Speculator
     from worker.dflash.oracle import OracleProposer, error_rate_for_tau
     from worker.model.generate import baseline_decode, start_batch
     from worker.model.sampling import SamplingParams
 
     dev = rt.device
-    hc = head_config_for(rt.cfg, mask_token_id=rt.tok.token_to_id(MASK_TOKEN), num_layers=head_layers)
-    with torch.device(dev):
-        draft = DraftModel(hc).to(rt.dtype).eval().requires_grad_(False)
+    draft = random_draft(rt, head_layers)
+    hc = draft.config
     spec = DFlash2Speculator(draft, rt.model)
     res = {}
     cap = context + new + 16
@@ -373,17 +381,12 @@ def profile_steps(rt, context: int, out_dir: str | None, new: int = 64) -> None:
     the verify step and draft pass (batch 32) and the expert loop (8 rows)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from worker.dflash.draft import MASK_TOKEN, DraftModel
-    from worker.dflash.head import head_config_for
     from worker.dflash.loop import DFlash2Speculator
     from worker.model.generate import start_batch
     from worker.model.sampling import SamplingParams
 
     dev = rt.device
-    hc = head_config_for(rt.cfg, mask_token_id=rt.tok.token_to_id(MASK_TOKEN), num_layers=1)
-    with torch.device(dev):
-        draft = DraftModel(hc).to(rt.dtype).eval().requires_grad_(False)
-    spec = DFlash2Speculator(draft, rt.model)
+    spec = DFlash2Speculator(random_draft(rt), rt.model)
     cases = []
     for b, t_ in ((1, 1), (32, 8)):
         cap = context + new + 16
@@ -415,6 +418,7 @@ def profile_steps(rt, context: int, out_dir: str | None, new: int = 64) -> None:
             table = prof.key_averages().table(sort_by="cuda_time_total" if dev.type == "cuda" else "cpu_time_total", row_limit=18, max_name_column_width=70)
             print(f"\n## profile: {name} (3 replays)\n{table}", flush=True)
             if out_dir:
+                Path(out_dir).mkdir(parents=True, exist_ok=True)
                 with open(Path(out_dir) / "profile.txt", "a") as f:
                     f.write(f"\n## profile: {name} (3 replays)\n{table}\n")
 

@@ -100,6 +100,21 @@ def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> i
     return v
 
 
+def _float(env: Mapping[str, str], name: str, default: float, lo: float, hi: float, what: str,
+           low_open: bool = False) -> float:
+    """A number in [lo, hi] ((lo, hi] with low_open); ConfigError "<name>=<raw> <what>" otherwise."""
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        v = float("nan")
+    if not ((lo < v) if low_open else (lo <= v)) or not v <= hi:
+        raise ConfigError(f"{name}={raw!r} {what}")
+    return v
+
+
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str | None) -> str | None:
     raw = env.get(name)
     if raw is None or raw == "":
@@ -177,22 +192,12 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         drain_s = float(drain) if drain else 60.0
     except ValueError:
         raise ConfigError(f"ALPAMAYO_DRAIN_TIMEOUT_S={drain!r} is not a number of seconds") from None
-    fraction = env.get("ALPAMAYO_GPU_MEMORY_FRACTION")
-    try:
-        gpu_fraction = float(fraction) if fraction else 0.90
-    except ValueError:
-        gpu_fraction = float("nan")
-    if not 0.0 < gpu_fraction <= 1.0:
-        raise ConfigError(f"ALPAMAYO_GPU_MEMORY_FRACTION={fraction!r} is not a fraction of GPU memory: use a number "
-                          "in (0, 1], e.g. ALPAMAYO_GPU_MEMORY_FRACTION=0.90")
-    wait = env.get("ALPAMAYO_KAFKA_WAIT_S")
-    try:
-        kafka_wait = float(wait) if wait else 5.0
-    except ValueError:
-        kafka_wait = -1.0
-    if not 0.0 <= kafka_wait <= 86400:
-        raise ConfigError(f"ALPAMAYO_KAFKA_WAIT_S={wait!r} is not a number of seconds (0 to 86400), "
-                          "e.g. ALPAMAYO_KAFKA_WAIT_S=300 to wait for Kafka at startup")
+    gpu_fraction = _float(env, "ALPAMAYO_GPU_MEMORY_FRACTION", 0.90, 0.0, 1.0,
+                          "is not a fraction of GPU memory: use a number in (0, 1], e.g. "
+                          "ALPAMAYO_GPU_MEMORY_FRACTION=0.90", low_open=True)
+    kafka_wait = _float(env, "ALPAMAYO_KAFKA_WAIT_S", 5.0, 0.0, 86400.0,
+                        "is not a number of seconds (0 to 86400), e.g. ALPAMAYO_KAFKA_WAIT_S=300 to wait for "
+                        "Kafka at startup")
     for t in ("ALPAMAYO_REQUEST_TOPIC", "ALPAMAYO_RESULT_TOPIC", "ALPAMAYO_DEAD_LETTER_TOPIC"):
         v = env.get(t)
         if v is not None and not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", v):

@@ -21,7 +21,8 @@ from worker.dflash.head import check_head
 from worker.dflash.loop import DFlash2Speculator
 from worker.dflash.metrics import speculative_block
 from worker.model.checkpoint import validate_layout
-from worker.model.memory_plan import MemoryPlan, plan as plan_memory
+from worker.model import memory_plan
+from worker.model.memory_plan import MemoryPlan
 from worker.model.runtime import AlpamayoRuntime, SceneRequest, SceneResult
 
 log = logging.getLogger("alpamayo.engine")
@@ -108,11 +109,10 @@ class Engine:
         if rt.device.type == "cuda":
             total = torch.cuda.mem_get_info(rt.device)[1]
             weights = torch.cuda.memory_allocated(rt.device)
-        d = rt.decoder
-        prefill_column = 2 * d.num_layers * d.kv_heads * d.head_dim * torch.finfo(rt.dtype).bits // 8
-        return plan_memory(rt.device.type, total, s.gpu_memory_fraction, weights, rt.kv_bytes_per_column(),
-                           s.max_model_len or DEFAULT_ROW_CAPACITY, rows_wanted=s.max_batch_size * max(s.k_values),
-                           rows_needed=max(s.k_values), prefill_bytes_per_column=prefill_column)
+        return memory_plan.plan(rt.device.type, total, s.gpu_memory_fraction, weights, rt.kv_bytes_per_column(),
+                                s.max_model_len or DEFAULT_ROW_CAPACITY,
+                                rows_wanted=s.max_batch_size * max(s.k_values), rows_needed=max(s.k_values),
+                                prefill_bytes_per_column=rt.kv_bytes_per_column(with_draft=False))
 
     def shrink_frame(self, frame):
         """A decoded frame reduced to what the model will read (ImageProcessing.shrink), on CPU

@@ -108,9 +108,7 @@ SHAPES_ACTIVE: dict = {}
 
 def check_model(shape: str, dtype, dev, gen) -> list[tuple[str, float, float]]:
     """Whole stacks of a random model: decoder step (T = 1, 8), draft block, expert velocity."""
-    from worker.bench import build_model, make_runtime
-    from worker.dflash.draft import MASK_TOKEN, DraftModel
-    from worker.dflash.head import head_config_for
+    from worker.bench import build_model, make_runtime, random_draft
 
     model, cfg, tok = build_model(shape, dev, dtype)
     rt = make_runtime(model, cfg, tok, dev, dtype)
@@ -141,9 +139,8 @@ def check_model(shape: str, dtype, dev, gen) -> list[tuple[str, float, float]]:
         v_ref = rt.expert.velocity(x, tt, ref_cache, offset, delta, int(offset.max()))
     out.append(("expert velocity", *rel_err(v_fused, v_ref)))
     # draft block over its context cache
-    hc = head_config_for(cfg, mask_token_id=tok.token_to_id(MASK_TOKEN), num_layers=1)
-    with torch.device(dev):
-        draft = DraftModel(hc).to(dtype).eval().requires_grad_(False)
+    draft = random_draft(rt)
+    hc = draft.config
     for p in draft.parameters():
         p.normal_(generator=gen).mul_(0.05)
     ck = torch.randn(rows, hc.num_key_value_heads, cap, hc.head_dim, device=dev, generator=gen).to(dtype)

@@ -118,7 +118,7 @@ def test_deployment_config_and_secret_references_resolve():
     # credentials only from the Secret, never from the ConfigMap
     cm = worker_configmap()["data"]
     assert not {"ALPAMAYO_KAFKA_SASL_USERNAME", "ALPAMAYO_KAFKA_SASL_PASSWORD"} & set(cm)
-    # placeholders are clearly marked
+    # the Secret template carries no credentials: every value says REPLACE_ME for the operator to fill
     for key in ("username", "password", "ca.crt"):
         assert "REPLACE_ME" in secret["stringData"][key]
     # volumes

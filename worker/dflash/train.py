@@ -188,8 +188,12 @@ def measure_acceptance(rt_spec, requests) -> dict:
 
 def demo_requests(seeds, k: int = 1, temperature: float = 0.0):
     """Trajectory SceneRequests of the synthetic scenes of `seeds` (request id = scene id)."""
-    return [runtime_request(s, "trajectory", request_id=s.scene_id, num_samples=k, temperature=temperature,
-                            seed=int(seed)) for seed, s in ((seed, generate_scene(int(seed))) for seed in seeds)]
+    out = []
+    for seed in seeds:
+        s = generate_scene(int(seed))
+        out.append(runtime_request(s, "trajectory", request_id=s.scene_id, num_samples=k, temperature=temperature,
+                                   seed=int(seed)))
+    return out
 
 
 def build_demo_head(checkpoint: str | Path, cache_root: str | Path | None = None, seed: int = 0,

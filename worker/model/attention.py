@@ -24,9 +24,9 @@ capacity, D head dim.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from worker.model.fused_ops import available
 
 try:                                   # Triton ships with CUDA builds of torch; CPU installs may lack it
     import triton
@@ -185,10 +185,11 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     q (B, T, Hq, D) (any strides with D contiguous); k_cache, v_cache (>= B, Hkv, L, D) with D
     contiguous; kv_len (B,) integer -> (B, T, Hq, D) in q's dtype (or written into `out`).
-    Triton kernel when q is on a GPU; `attend_reference` otherwise. block_n, num_stages, splits
+    Triton kernel where `fused_ops.available` (a GPU, or Triton's interpreter); `attend_reference`
+    otherwise. block_n, num_stages, splits
     and block_m (query rows per tile) override the launch configuration (the kernel check's sweep).
     """
-    if not (q.is_cuda and triton is not None) and not _interpret():
+    if not available(q):
         res = attend_reference(q, k_cache[:q.shape[0]], v_cache[:q.shape[0]], kv_len, causal)
         return res if out is None else out.copy_(res)
     b, t, hq, d = q.shape
@@ -233,8 +234,3 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         lpart.stride(0), lpart.stride(1), lpart.stride(2), out.stride(0), out.stride(1), out.stride(2),
         HQ=hq, T=t, D=d, SPLIT=size, S_MAX=max(16, triton.next_power_of_2(splits)), TB=tb, num_warps=4)
     return out
-
-
-def _interpret() -> bool:
-    """TRITON_INTERPRET=1: run the Triton kernels on the CPU (tests of the GPU path)."""
-    return triton is not None and os.environ.get("TRITON_INTERPRET") == "1"

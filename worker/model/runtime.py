@@ -265,13 +265,13 @@ class AlpamayoRuntime:
                     results[p.req.request_id].error = ("inference_failed", "out of GPU memory for this batch")
         return [results[r.request_id] for r in batch]
 
-    def kv_bytes_per_column(self) -> int:
-        """Bytes of one cache column of one row: every target layer's K and V, plus the DFlash2
-        draft's context K/V on speculative profiles (the memory plan's unit)."""
+    def kv_bytes_per_column(self, with_draft: bool = True) -> int:
+        """Bytes of one cache column of one row: every target layer's K and V, plus (with_draft)
+        the DFlash2 draft's context K/V on speculative profiles (the memory plan's unit)."""
         d = self.decoder
         size = torch.finfo(self.dtype).bits // 8
         n = 2 * d.num_layers * d.kv_heads * d.head_dim * size
-        if self.speculator is not None:
+        if with_draft and self.speculator is not None:
             c = self.speculator.config
             n += 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * size
         return n
