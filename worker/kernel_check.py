@@ -60,6 +60,8 @@ def check_attention(use: str, shape, dtype, dev, gen) -> tuple[float, float]:
     causal = use in ("decode", "verify")
     out = torch.full_like(q, float("nan"))
     cache_attention(q, k, v, live, causal, out=out)
+    if not torch.equal(out, cache_attention(q, k, v, live, causal)):    # a second launch: the same bits
+        return float("nan"), float("nan")
     ref = attend_reference(q.double(), k.double(), v.double(), live, causal)
     return rel_err(out, ref)
 
@@ -183,11 +185,48 @@ def sweep_expert_attention(dev, gen) -> None:
         print(f"| {name} | {ms * 1e3:.1f} | {flops / ms / 1e9:.0f} |", flush=True)
 
 
+def sweep_weight_gemms(dev, gen) -> None:
+    """Times the 32B layer's weight products at M = 1, 8, 32, 128, 256 rows in three forms: F.linear
+    on the (N, K) weight (today's), the same through cuBLASLt, and x @ W^T stored (K, N)
+    contiguous, with the microseconds each matrix's bytes take at the copy bandwidth measured here
+    (GPU only; prints a table, chooses nothing)."""
+    import triton.testing
+
+    n_hidden, n_inter, n_qkv = 5120, 25600, (64 + 16) * 128
+    shapes = {"gate/up": (2 * n_inter, n_hidden), "down": (n_hidden, n_inter), "qkv": (n_qkv, n_hidden),
+              "o": (n_hidden, 64 * 128)}
+    big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    copy_ms = triton.testing.do_bench(lambda: big.clone(), warmup=5, rep=50, return_mode="median")
+    bw = 2 * big.numel() / (copy_ms * 1e-3)
+    del big
+    print(f"| weight product (copy bandwidth {bw / 1e12:.2f} TB/s) | M | bytes floor us | F.linear us "
+          f"| cuBLASLt us | x @ W^T (K, N) us |\n|---|---|---|---|---|---|")
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device=dev, generator=gen).to(torch.bfloat16)
+        wt = w.t().contiguous()
+        for m in (1, 8, 32, 128, 256):
+            x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+            times = []
+            for form in ("linear", "lt", "kn"):
+                fn = (lambda: torch.matmul(x, wt)) if form == "kn" else (lambda: torch.nn.functional.linear(x, w))
+                prev = torch.backends.cuda.preferred_blas_library()
+                if form == "lt":
+                    torch.backends.cuda.preferred_blas_library("cublaslt")
+                try:
+                    times.append(triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e3)
+                finally:
+                    torch.backends.cuda.preferred_blas_library(prev)
+            print(f"| {name} ({n}x{k}) | {m} | {w.numel() * 2 / bw * 1e6:.1f} | "
+                  + " | ".join(f"{t:.1f}" for t in times) + " |", flush=True)
+        del w, wt
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m worker.kernel_check", description=__doc__.split("\n")[0])
     gpu = torch.cuda.is_available()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="32b" if gpu else "tiny")
-    ap.add_argument("--sweep", action="store_true", help="also time the expert attention's launch configurations")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the expert attention's launch configurations and the weight products' forms")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if gpu else "cpu")
     SHAPES_ACTIVE.update(SHAPES[args.shape])
@@ -218,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {name} | model {model_shape} | {str(dtype)[6:]} | {err:.2e} | {mx:.2e} | {'ok' if ok else 'FAIL'} |")
     if args.sweep and gpu:
         sweep_expert_attention(dev, gen)
+        sweep_weight_gemms(dev, gen)
     print(f"{'FAILED' if failed else 'passed'}: {failed} check(s) out of bounds")
     return 1 if failed else 0
 
