@@ -30,7 +30,7 @@ __all__ = ["DEMO_VERSION", "HEAD_VERSION", "COMPLETE_MARKER", "cache_root", "che
 
 log = logging.getLogger("alpamayo.engine")
 
-DEMO_VERSION = 1        # bump whenever anything that changes the demo checkpoint's weights changes
+DEMO_VERSION = 2        # bump whenever anything that changes the demo checkpoint's weights changes
 HEAD_VERSION = 2        # bump whenever anything that changes the packaged head's weights changes
 COMPLETE_MARKER = "complete"
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -30,7 +30,9 @@ def norm_eps(norm: nn.Module) -> float:
 
 def fuse_projections(mods: list[nn.Module]) -> nn.Module | None:
     """One projection whose output is the concatenation of `mods`' outputs; the original
-    modules' weights become views into it (no extra memory). None if they cannot be fused."""
+    modules' weights become views into it (no extra memory), as trainable as they were (a model
+    that is still being trained keeps training them: optimiser steps write through the views into
+    the fused weight). None if they cannot be fused."""
     if all(type(m) is nn.Linear and m.bias is None for m in mods):
         w = torch.cat([m.weight.data for m in mods])
         fused = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
@@ -38,7 +40,7 @@ def fuse_projections(mods: list[nn.Module]) -> nn.Module | None:
         off = 0
         for m in mods:
             n = m.weight.shape[0]
-            m.weight = nn.Parameter(w[off:off + n], requires_grad=False)
+            m.weight = nn.Parameter(w[off:off + n], requires_grad=m.weight.requires_grad)
             off += n
         return fused
     if all(isinstance(m, Fp8Linear) and m.bias is None for m in mods):

@@ -198,3 +198,33 @@ def test_training_data_pipeline_is_deterministic(ckpt, runtime, quality):
     assert torch.equal(traj.input_ids[:traj.prompt_len], p.input_ids)
     assert runtime.tok.decode(traj.target_ids.tolist(), skip_special_tokens=False) == \
         train.target_text(few[0], "trajectory")
+
+
+def test_a_training_step_moves_every_weight_of_a_model_the_runtime_was_built_over(ckpt):
+    """The build makes the runtime (prompts, image processing) before it trains; building the
+    runtime fuses q/k/v and gate/up into views, which once left those weights frozen (254 k of
+    2.1 M parameters never trained)."""
+    import torch
+
+    from worker.demo import train
+    from worker.model.config import AlpamayoConfig
+    from worker.model.inputs import ImageProcessing
+    from worker.model.modules import Alpamayo2
+    from worker.model.runtime import AlpamayoRuntime
+    from worker.model.tokenizer import load_tokenizer
+    from worker.scenes import generate_scene
+
+    cfg = AlpamayoConfig.from_dir(ckpt)
+    tok, ids = load_tokenizer(ckpt, cfg)
+    torch.manual_seed(0)
+    model = Alpamayo2(cfg)
+    runtime = AlpamayoRuntime(model, cfg, tok, ids, ImageProcessing.from_dir(ckpt, cfg.min_pixels, cfg.max_pixels),
+                              torch.device("cpu"), torch.float32)
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert not frozen, frozen
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    examples = train.build_examples(runtime, [generate_scene(s, build.IMAGE_SIZE) for s in build.train_seeds(0)[:2]],
+                                    tasks=("trajectory",))
+    train.train(model, runtime, examples, train.TrainConfig(steps=1, warmup=1, per_step=(("trajectory", 2),)))
+    unchanged = [n for n, p in model.named_parameters() if p.ndim >= 2 and torch.equal(p, before[n])]
+    assert not [n for n in unchanged if "language_model.layers" in n or "expert" in n], unchanged
