@@ -323,7 +323,6 @@ def collate(examples: Sequence[Example], runtime: AlpamayoRuntime) -> _Batch:
     positions = torch.zeros(3, b, L, dtype=torch.long)
     labels = torch.full((b, L), -100, dtype=torch.long)
     weights = torch.zeros(b, L)
-    pv, grids = [], []
     for r, e in enumerate(examples):
         n = len(e.input_ids)
         input_ids[r, :n] = e.input_ids
@@ -332,15 +331,15 @@ def collate(examples: Sequence[Example], runtime: AlpamayoRuntime) -> _Batch:
             positions[:, r, n:] = e.positions[:, -1:] + torch.arange(1, L - n + 1)
         labels[r, e.prompt_len:n] = e.input_ids[e.prompt_len:]
         weights[r, e.prompt_len:n] = e.weights
-        px, grid = runtime.image_proc(torch.from_numpy(e.frames))
-        pv.append(px)
-        grids.append(grid)
+    # every row's images in one call (each image is processed on its own: batching is exact)
+    dev = runtime.device
+    pixel_values, grid = runtime.image_proc(torch.from_numpy(np.concatenate([e.frames for e in examples])).to(dev))
     traj = [r for r, e in enumerate(examples) if e.task == "trajectory"]
-    return _Batch(input_ids=input_ids, positions=positions, labels=labels, weights=weights,
-                  pixel_values=torch.cat(pv), grid=torch.cat(grids), traj_rows=traj,
-                  actions=torch.stack([examples[r].action for r in traj]) if traj else None,
-                  offsets=torch.tensor([examples[r].offset for r in traj], dtype=torch.long),
-                  rope_delta=torch.tensor([examples[r].rope_delta for r in traj], dtype=torch.long))
+    return _Batch(input_ids=input_ids.to(dev), positions=positions.to(dev), labels=labels.to(dev),
+                  weights=weights.to(dev), pixel_values=pixel_values, grid=grid.to(dev), traj_rows=traj,
+                  actions=torch.stack([examples[r].action for r in traj]).to(dev) if traj else None,
+                  offsets=torch.tensor([examples[r].offset for r in traj], dtype=torch.long, device=dev),
+                  rope_delta=torch.tensor([examples[r].rope_delta for r in traj], dtype=torch.long, device=dev))
 
 
 def _grad_scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -380,7 +379,7 @@ def loss_on_batch(model, expert: ActionExpert, batch: _Batch, c: TrainConfig, we
         kv = _stacked_cache(cache, rows, c.kv_grad_scale)
         x1 = batch.actions.repeat_interleave(rep, 0)
         eps = torch.randn_like(x1)
-        t = sample_flow_t(len(rows)).view(-1, 1, 1)
+        t = sample_flow_t(len(rows)).to(x1.device).view(-1, 1, 1)
         xt = t * x1 + (1 - t) * eps
         offset = batch.offsets.repeat_interleave(rep)
         v = expert.velocity(xt, t, kv, offset, batch.rope_delta.repeat_interleave(rep), int(offset.max()))
@@ -417,10 +416,13 @@ class _Sampler:
 
 
 def train(model, runtime: AlpamayoRuntime, examples: Sequence[Example], c: TrainConfig, seed: int = 0,
-          log: Callable[[str], None] | None = None, callback: Callable[[int], None] | None = None) -> dict:
+          log: Callable[[str], None] | None = None, callback: Callable[[int], None] | None = None,
+          budget_s: float | None = None) -> dict:
     """AdamW with warm-up + cosine over `c.steps` steps. The global torch RNG (seeded by the
     caller) draws the flow-matching noise and times; a numpy Generator from `seed` the batches.
-    Returns a summary (steps, wall/CPU seconds, final losses)."""
+    `budget_s`: stop after that many seconds even if steps remain (the summary's `steps` says
+    how many ran; the weights are then not the recipe's). Returns a summary (steps, wall/CPU
+    seconds, final losses)."""
     sampler = _Sampler(examples, c, seed)
     expert = ActionExpert(model.expert, runtime.cfg.action_space.n_waypoints)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -458,6 +460,10 @@ def train(model, runtime: AlpamayoRuntime, examples: Sequence[Example], c: Train
                     f"lr {lr_at(step, c):.1e}  {time.perf_counter() - t0:.0f}s")
             if callback is not None:
                 callback(step)
+            if budget_s is not None and time.perf_counter() - t0 > budget_s:
+                if log:
+                    log(f"stopped at step {step + 1}/{c.steps}: training budget of {budget_s:.0f}s spent")
+                break
     model.eval()
     tail = hist[-20:]
     return {"steps": len(hist), "examples_per_step": dict(sampler.counts),
@@ -508,8 +514,9 @@ def trajectory_contexts(model, runtime: AlpamayoRuntime, examples: Sequence[Exam
 
 
 def refine_expert(model, runtime: AlpamayoRuntime, contexts: Sequence[tuple], c: RefineConfig, seed: int = 0,
-                  log: Callable[[str], None] | None = None) -> dict:
-    """Flow-matching steps for the expert alone over fixed VLM K/V (same loss as in `train`)."""
+                  log: Callable[[str], None] | None = None, budget_s: float | None = None) -> dict:
+    """Flow-matching steps for the expert alone over fixed VLM K/V (same loss as in `train`;
+    `budget_s` as there)."""
     expert = ActionExpert(model.expert, runtime.cfg.action_space.n_waypoints)
     params = [p for p in model.expert.parameters() if p.requires_grad]
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": c.weight_decay},
@@ -530,17 +537,19 @@ def refine_expert(model, runtime: AlpamayoRuntime, contexts: Sequence[tuple], c:
             idx.append(order.pop())
         rows = len(idx) * c.repeats
         length = max(contexts[i][2] for i in idx)
-        k = torch.zeros(layers, rows, hkv, length, d)
+        k = torch.zeros(layers, rows, hkv, length, d, device=runtime.device)
         v = torch.zeros_like(k)
         for j, i in enumerate(idx):
             ck, cv, off, _, _ = contexts[i]
             k[:, j * c.repeats:(j + 1) * c.repeats, :, :off] = ck[:, None]
             v[:, j * c.repeats:(j + 1) * c.repeats, :, :off] = cv[:, None]
-        offset = torch.tensor([contexts[i][2] for i in idx], dtype=torch.long).repeat_interleave(c.repeats)
-        delta = torch.tensor([contexts[i][3] for i in idx], dtype=torch.long).repeat_interleave(c.repeats)
-        x1 = torch.stack([contexts[i][4] for i in idx]).repeat_interleave(c.repeats, 0)
+        offset = torch.tensor([contexts[i][2] for i in idx], dtype=torch.long,
+                              device=runtime.device).repeat_interleave(c.repeats)
+        delta = torch.tensor([contexts[i][3] for i in idx], dtype=torch.long,
+                             device=runtime.device).repeat_interleave(c.repeats)
+        x1 = torch.stack([contexts[i][4] for i in idx]).to(runtime.device).repeat_interleave(c.repeats, 0)
         eps = torch.randn_like(x1)
-        t = sample_flow_t(rows).view(-1, 1, 1)
+        t = sample_flow_t(rows).to(runtime.device).view(-1, 1, 1)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, sched)
         pred = expert.velocity(t * x1 + (1 - t) * eps, t, SimpleNamespace(k=k, v=v), offset, delta, length)
@@ -552,7 +561,11 @@ def refine_expert(model, runtime: AlpamayoRuntime, contexts: Sequence[tuple], c:
         losses.append(loss.item())
         if log and (step % 100 == 0 or step == c.steps - 1):
             log(f"expert step {step:4d}/{c.steps}  flow {losses[-1]:.3f}  {time.perf_counter() - t0:.0f}s")
+        if budget_s is not None and time.perf_counter() - t0 > budget_s:
+            if log:
+                log(f"expert refinement stopped at step {step + 1}/{c.steps}: budget of {budget_s:.0f}s spent")
+            break
     model.eval()
-    return {"steps": c.steps, "scenes_per_step": c.scenes_per_step, "repeats": c.repeats, "lr": c.lr,
+    return {"steps": len(losses), "scenes_per_step": c.scenes_per_step, "repeats": c.repeats, "lr": c.lr,
             "wall_s": round(time.perf_counter() - t0, 1), "cpu_s": round(time.process_time() - c0, 1),
             "final_flow_mse": round(float(np.mean(losses[-20:])), 4)}
