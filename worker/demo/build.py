@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import pickle
 import shutil
 import sys
 import time
@@ -184,11 +185,16 @@ def _scene(seed: int):
     return generate_scene(seed, IMAGE_SIZE)
 
 
-def _examples(job: tuple) -> list:
+def _examples(job: tuple) -> bytes:
+    """Examples of one chunk of scenes, pickled here by value: handing tensors back through the
+    pool would share each through a file descriptor (torch's reducers), thousands at once."""
+    import pickle
+
     from worker.demo import train
 
     scenes, tasks, key_weights, first_index = job
-    return train.build_examples(_POOL_RUNTIME, scenes, tasks=tasks, key_weights=key_weights, first_index=first_index)
+    return pickle.dumps(train.build_examples(_POOL_RUNTIME, scenes, tasks=tasks, key_weights=key_weights,
+                                             first_index=first_index))
 
 
 def _parallel(fn, jobs: list, workers: int) -> list:
@@ -253,7 +259,7 @@ def _build(out: Path, seed: int, progress: bool, recipe: Recipe = RECIPES["cpu"]
         jobs = [(scenes[i:min(i + step, n_text)], train.TASKS, tc.key_weights, i) for i in range(0, n_text, step)]
         jobs += [(scenes[i:i + step], ("trajectory",), tc.key_weights, i)
                  for i in range(n_text, len(scenes), step)]
-        examples = [e for part in _parallel(_examples, jobs, workers) for e in part]
+        examples = [e for part in _parallel(_examples, jobs, workers) for e in pickle.loads(part)]
         _POOL_RUNTIME = None
         lap("examples")
         if device != "cpu":                 # a runtime over the moved model: its fused views live there
