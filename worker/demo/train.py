@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from schemas import TASKS
 from worker.model.action_space import UnicycleActionSpaceConfig, trajectory_to_action
 from worker.model.expert import ActionExpert
+from worker.model.fused_ops import reference_only
 from worker.model.runtime import AlpamayoRuntime
 from worker.model.text_tasks import IM_END, TRAJ_FUTURE_START
 from worker.scenes.request import runtime_frames, runtime_request
@@ -434,7 +435,9 @@ def train(model, runtime: AlpamayoRuntime, examples: Sequence[Example], c: Train
     model.train()
     t0, c0 = time.perf_counter(), time.process_time()
     hist: list[dict] = []
-    with fast_training_paths(model):
+    # reference_only: the expert's fused GPU kernels have no backward (on a GPU they would cut
+    # its layers out of the gradient: a flow loss stuck at 2.0 on the first GPU build)
+    with fast_training_paths(model), reference_only():
         for step in range(c.steps):
             groups = [[examples[i] for i in g] for g in sampler.step()]
             weight_total = float(sum(float(e.weights.sum()) for g in groups for e in g))
@@ -525,6 +528,7 @@ def refine_expert(model, runtime: AlpamayoRuntime, contexts: Sequence[tuple], c:
     rng = np.random.default_rng([seed, 11])
     sched = TrainConfig(steps=c.steps, lr=c.lr, min_lr_ratio=c.min_lr_ratio, warmup=c.warmup)
     layers, hkv, _, d = contexts[0][0].shape
+    dev = runtime.device
     order: list[int] = []
     model.expert.train()
     t0, c0 = time.perf_counter(), time.process_time()
@@ -537,22 +541,21 @@ def refine_expert(model, runtime: AlpamayoRuntime, contexts: Sequence[tuple], c:
             idx.append(order.pop())
         rows = len(idx) * c.repeats
         length = max(contexts[i][2] for i in idx)
-        k = torch.zeros(layers, rows, hkv, length, d, device=runtime.device)
+        k = torch.zeros(layers, rows, hkv, length, d, device=dev)
         v = torch.zeros_like(k)
         for j, i in enumerate(idx):
             ck, cv, off, _, _ = contexts[i]
             k[:, j * c.repeats:(j + 1) * c.repeats, :, :off] = ck[:, None]
             v[:, j * c.repeats:(j + 1) * c.repeats, :, :off] = cv[:, None]
-        offset = torch.tensor([contexts[i][2] for i in idx], dtype=torch.long,
-                              device=runtime.device).repeat_interleave(c.repeats)
-        delta = torch.tensor([contexts[i][3] for i in idx], dtype=torch.long,
-                             device=runtime.device).repeat_interleave(c.repeats)
-        x1 = torch.stack([contexts[i][4] for i in idx]).to(runtime.device).repeat_interleave(c.repeats, 0)
+        offset = torch.tensor([contexts[i][2] for i in idx], dtype=torch.long, device=dev).repeat_interleave(c.repeats)
+        delta = torch.tensor([contexts[i][3] for i in idx], dtype=torch.long, device=dev).repeat_interleave(c.repeats)
+        x1 = torch.stack([contexts[i][4] for i in idx]).to(dev).repeat_interleave(c.repeats, 0)
         eps = torch.randn_like(x1)
-        t = sample_flow_t(rows).to(runtime.device).view(-1, 1, 1)
+        t = sample_flow_t(rows).to(dev).view(-1, 1, 1)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, sched)
-        pred = expert.velocity(t * x1 + (1 - t) * eps, t, SimpleNamespace(k=k, v=v), offset, delta, length)
+        with reference_only():         # as in `train`: the fused kernels have no backward
+            pred = expert.velocity(t * x1 + (1 - t) * eps, t, SimpleNamespace(k=k, v=v), offset, delta, length)
         loss = F.mse_loss(pred, x1 - eps)
         opt.zero_grad(set_to_none=True)
         loss.backward()

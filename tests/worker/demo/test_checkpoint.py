@@ -228,3 +228,36 @@ def test_a_training_step_moves_every_weight_of_a_model_the_runtime_was_built_ove
     train.train(model, runtime, examples, train.TrainConfig(steps=1, warmup=1, per_step=(("trajectory", 2),)))
     unchanged = [n for n, p in model.named_parameters() if p.ndim >= 2 and torch.equal(p, before[n])]
     assert not [n for n in unchanged if "language_model.layers" in n or "expert" in n], unchanged
+
+
+_EXPERT_STEP = """
+import sys, torch
+from worker.demo import build, train
+from worker.model.fused_ops import available
+from worker.model.runtime import AlpamayoRuntime
+from worker.scenes import generate_scene
+rt = AlpamayoRuntime.load(sys.argv[1], device="cpu", dtype=torch.float32)
+assert available(torch.zeros(1))                      # the fused kernels run here (interpreter)
+rt.model.requires_grad_(True)
+ex = train.build_examples(rt, [generate_scene(s, build.IMAGE_SIZE) for s in build.train_seeds(0)[:2]],
+                          tasks=("trajectory",))
+layer0 = lambda: {n: p for n, p in rt.model.expert.named_parameters() if "layers.0." in n and p.ndim == 2}
+before = {n: p.detach().clone() for n, p in layer0().items()}
+train.refine_expert(rt.model, rt, train.trajectory_contexts(rt.model, rt, ex), train.RefineConfig(steps=1, warmup=1,
+                    scenes_per_step=2, repeats=1))
+still = [n for n, p in layer0().items() if torch.equal(p, before[n])]
+print("unchanged:", still)
+sys.exit(1 if still else 0)
+"""
+
+
+def test_expert_layers_train_where_the_fused_kernels_run(ckpt, tmp_path):
+    """On a GPU (here: Triton's interpreter) the expert's forward runs fused kernels without a
+    backward; training must run the reference ops or the expert's layers never learn (the first
+    GPU build's flow loss stayed at 2.0)."""
+    script = tmp_path / "expert_step.py"
+    script.write_text(_EXPERT_STEP)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(script), str(ckpt)], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
