@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -143,7 +144,17 @@ class WorkerService:
         if self.install_signal_handlers:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
-        await self.side.start()
+        try:
+            await self.side.start()
+        except OSError as exc:      # another process holds the port (a second worker on this host)
+            self.state.set_ready(False, "failed")
+            print(f"alpamayo-worker: the side port {self.settings.http_host}:{self.settings.http_port} cannot be "
+                  f"bound ({os.strerror(exc.errno) if exc.errno else exc}): set ALPAMAYO_HTTP_PORT to a free port, or stop the process "
+                  "holding it", file=sys.stderr, flush=True)
+            self._intake_pool.shutdown(wait=False)
+            self._engine_pool.shutdown(wait=False)
+            self.exit_code = EXIT_REFUSED
+            return EXIT_REFUSED
         try:
             code = await self._run_loaded(loop)
         finally:
