@@ -32,7 +32,7 @@ import sys
 from typing import Any, Sequence
 
 import schemas as S
-from producer_tools.common import ToolError, die, kafka_options, parse_size
+from producer_tools.common import ToolError, check_brokers, die, kafka_options, parse_size
 from worker import log_filter
 from worker.config import ConfigError
 
@@ -84,11 +84,15 @@ def _kafka_args(p: argparse.ArgumentParser, *, topics: Sequence[str] = ("request
                        help=f"overrides ALPAMAYO_{t.replace('-', '_').upper()}_TOPIC")
 
 
-def _kafka(args) -> Any:
-    return kafka_options(bootstrap_servers=args.bootstrap_servers,
+def _kafka(args, check: bool = True) -> Any:
+    """The Kafka options of a command; ``check``: a broker must answer first (one line otherwise)."""
+    opts = kafka_options(bootstrap_servers=args.bootstrap_servers,
                          request_topic=getattr(args, "request_topic", None),
                          result_topic=getattr(args, "result_topic", None),
                          dead_letter_topic=getattr(args, "dead_letter_topic", None))
+    if check:
+        check_brokers(opts)
+    return opts
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -333,7 +337,7 @@ def cmd_audit(args) -> int:
 def cmd_dlq(args) -> int:
     from producer_tools import dlq as D
 
-    kafka = _kafka(args)
+    kafka = _kafka(args, check=not (args.lake and args.dry_run))
     if args.lake:
         items = D.from_lake(args.lake, run_id=args.run_id[0] if len(args.run_id) == 1 else None)
     else:

@@ -109,9 +109,9 @@ async def from_topic(kafka: KafkaOptions, topic: str | None = None, timeout_s: f
     topic = topic or kafka.dead_letter_topic
     consumer = AIOKafkaConsumer(**client_kwargs(kafka), group_id=None, enable_auto_commit=False,
                                 isolation_level="read_committed", max_partition_fetch_bytes=32 << 20)
-    await consumer.start()
     out: list[DeadLetterItem] = []
     try:
+        await consumer.start()
         parts = await _partitions(kafka, topic)
         tps = [TopicPartition(topic, p) for p in sorted(parts)]
         consumer.assign(tps)
