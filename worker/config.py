@@ -71,6 +71,7 @@ class Settings:
     drain_timeout_s: float = 60.0
     gpu_memory_fraction: float = 0.90           # weights + KV cache + reserve, of the GPU's memory
     kafka_wait_s: float = 5.0                   # startup: how long to wait for a reachable broker
+    stats_interval_s: float = 10.0              # the stats line and dead-letter warnings (0: off)
     claim_check_roots: tuple[str, ...] = ()
     worker_id: str = "worker"
     cache: Path = field(default_factory=cache_dir)
@@ -198,6 +199,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     kafka_wait = _float(env, "ALPAMAYO_KAFKA_WAIT_S", 5.0, 0.0, 86400.0,
                         "is not a number of seconds (0 to 86400), e.g. ALPAMAYO_KAFKA_WAIT_S=300 to wait for "
                         "Kafka at startup")
+    stats_interval = _float(env, "ALPAMAYO_STATS_INTERVAL_S", 10.0, 0.0, 86400.0,
+                            "is not a number of seconds (0 to 86400), e.g. ALPAMAYO_STATS_INTERVAL_S=10 "
+                            "(0 turns the stats line off)")
     for t in ("ALPAMAYO_REQUEST_TOPIC", "ALPAMAYO_RESULT_TOPIC", "ALPAMAYO_DEAD_LETTER_TOPIC"):
         v = env.get(t)
         if v is not None and not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", v):
@@ -231,6 +235,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         drain_timeout_s=drain_s,
         gpu_memory_fraction=gpu_fraction,
         kafka_wait_s=kafka_wait,
+        stats_interval_s=stats_interval,
         claim_check_roots=roots,
         worker_id=instance or env.get("ALPAMAYO_WORKER_ID") or host,
         cache=cache_dir(env),
@@ -270,6 +275,9 @@ VARIABLES: dict[str, str] = {
     "ALPAMAYO_HTTP_PORT": "side port: health, models, metrics (default 8000)",
     "ALPAMAYO_DRAIN_TIMEOUT_S": "SIGTERM grace: finish, publish and commit within this (default 60)",
     "ALPAMAYO_KAFKA_WAIT_S": "startup: seconds to wait for a reachable Kafka broker before refusing (default 5)",
+    "ALPAMAYO_STATS_INTERVAL_S": "seconds between the stats lines logged while there is traffic (results/s, queue, "
+                                 "in flight, dead letters by code, acceptance, GPU memory) and between "
+                                 "warnings per dead-letter code (default 10; 0: off)",
     "ALPAMAYO_GPU_MEMORY_FRACTION": "share of GPU memory for weights + KV cache + reserve, as vLLM's "
                                     "gpu_memory_utilization (default 0.90); sizes the cache's rows",
     "ALPAMAYO_CLAIM_CHECK_ROOTS": "comma list of allowed claim-check URI prefixes (file:///data/,...)",

@@ -52,6 +52,7 @@ from worker.kafka_clients import (PartitionProducers, consumer_kwargs, instance_
 from worker.metrics import WorkerMetrics
 from worker.output_limits import OutputLimits, producer_max_request_size, read_output_limits
 from worker.publisher import OffsetTracker, Output, Publisher, PublishError, dead_letter_output, result_output
+from worker.stats import StatsLog
 
 __all__ = ["WorkerService", "load_engine", "EXIT_OK", "EXIT_FAILED", "EXIT_REFUSED"]
 
@@ -109,6 +110,8 @@ class WorkerService:
         self.side = SidePort(self.state, settings.http_host, settings.http_port)
         self.tracker = OffsetTracker()
         self.batcher: Batcher[Job] = Batcher(lambda j: j.group, settings.max_batch_size, settings.max_batch_wait_ms)
+        self.stats = StatsLog(self.metrics, settings.stats_interval_s, queue_depth=lambda: len(self.batcher),
+                              in_flight=lambda: self.tracker.inflight)
         self.exactly_once = settings.processing_guarantee == "exactly_once"
         self.consumer = self.producer = self.publisher = None
         self.output_limits: OutputLimits | None = None     # read from the broker at startup
@@ -216,6 +219,8 @@ class WorkerService:
             asyncio.create_task(self.publisher.run(), name="publish"),
             asyncio.create_task(self._monitor_loop(), name="monitor"),
         }
+        if s.stats_interval_s > 0:
+            tasks.add(asyncio.create_task(self.stats.run(), name="stats"))
         stop_wait = asyncio.create_task(self._stop.wait(), name="stop")
         done, _ = await asyncio.wait(tasks | {stop_wait}, return_when=asyncio.FIRST_COMPLETED)
         failed = [t for t in done if t is not stop_wait and (t.cancelled() or t.exception() is not None)]
@@ -379,6 +384,7 @@ class WorkerService:
             return
         if not isinstance(out, DeadLetter):   # intake never raises; belt and braces
             out = self.intake.dead_letter(out if isinstance(out, BaseException) else RuntimeError(str(out)), rec)
+        self.stats.dead_letter(out)
         self.publisher.submit([dead_letter_output(tp, rec.offset, epoch, self.settings.dead_letter_topic, out,
                                                   self.output_limits.dead_letter_bytes)])
 
@@ -456,6 +462,7 @@ class WorkerService:
             except Exception as exc:
                 err = ContractError(ErrorCode.INTERNAL_ERROR, "$", f"{type(exc).__name__}: {exc}"[:1000])
         dl = job.dead_letter(err, s.worker_id)
+        self.stats.dead_letter(dl)
         return dead_letter_output(job.tp, job.offset, job.epoch, s.dead_letter_topic, dl,
                                   self.output_limits.dead_letter_bytes)
 
@@ -525,7 +532,7 @@ class WorkerService:
         self.batcher.close()
         self.publisher.close()
         for t in tasks:
-            if t.get_name() in ("monitor", "batch", "fetch") or left:
+            if t.get_name() in ("monitor", "stats", "batch", "fetch") or left:
                 t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         return code
