@@ -28,11 +28,12 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import sys
 from typing import Any, Sequence
 
 import schemas as S
-from producer_tools.common import ToolError, check_brokers, die, kafka_options, parse_size
+from producer_tools.common import ToolError, check_brokers, die, kafka_options, new_run_id, parse_size
 from worker import log_filter
 from worker.config import ConfigError
 
@@ -275,16 +276,31 @@ def cmd_topics(args) -> int:
     return 0 if all(r["exists"] for r in rows) else 1
 
 
+def _resume_command(argv: Sequence[str], run_id: str) -> str:
+    """The publish command line again with its --run-id and without --limit: what finishes the run."""
+    out, skip = ["alpamayo-producer"], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--limit", "--run-id"):
+            skip = True
+        elif not a.startswith(("--limit=", "--run-id=")):
+            out.append(a)
+    return shlex.join(out + ["--run-id", run_id])
+
+
 def cmd_publish(args) -> int:
     from producer_tools import publish as P
-    from producer_tools.scene_sources import iter_manifest, iter_scene_dir, iter_synthetic
+    from producer_tools.scene_sources import iter_manifest, iter_scene_dir, iter_synthetic, manifest_tasks
 
     kafka = _kafka(args)
+    scene_tasks = None
     if args.scenes_dir:
         total, items = iter_scene_dir(args.scenes_dir)
         source = f"scenes-dir:{args.scenes_dir}"
     elif args.manifest:
         total, items = iter_manifest(args.manifest)
+        scene_tasks = manifest_tasks(args.manifest)
         source = f"manifest:{args.manifest}"
     else:
         total, items = iter_synthetic(args.synthetic, args.seed, args.image_size, args.image_format)
@@ -293,14 +309,17 @@ def cmd_publish(args) -> int:
         die("--k must be in 1..16")
     if args.k > 1 and args.temperature == 0:
         die("--k > 1 needs --temperature > 0")
+    run_id = args.run_id or new_run_id()
     opts = P.PublishOptions(
-        tasks=args.tasks, mix=args.mix, k=args.k, run_id=args.run_id, runs_dir=args.runs_dir,
+        tasks=args.tasks, mix=args.mix, k=args.k, run_id=run_id, runs_dir=args.runs_dir,
         temperature=args.temperature, top_p=args.top_p, sampling_seed=args.sampling_seed,
         max_tokens=args.max_tokens, labels=dict(args.label), claim_check_threshold=args.claim_check_threshold,
         object_store=args.object_store,
         content_type=S.CONTENT_TYPE_JSON if args.json_encoding else S.CONTENT_TYPE_MSGPACK,
         rate=args.rate, max_inflight=args.max_inflight, compression=args.compression, limit=args.limit,
-        progress=not args.no_progress, source=source)
+        progress=not args.no_progress, source=source,
+        planned=P.planned_total(scene_tasks or [None] * total, args.tasks, args.mix),
+        resume_command=_resume_command(args.argv, run_id))
     summary = asyncio.run(P.publish(kafka, items, opts, total_scenes=total))
     _print_json(summary)
     return 0
@@ -391,7 +410,9 @@ COMMANDS = {"topics": cmd_topics, "publish": cmd_publish, "sink": cmd_sink, "aud
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.verbose < 2:
