@@ -182,20 +182,24 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--json", action="store_true")
 
     # -- dlq ---------------------------------------------------------------------------------
-    dp = sub.add_parser("dlq", help="dead-letter tools")
-    dsub = dp.add_subparsers(dest="dlq_command", required=True, metavar="replay")
+    dp = sub.add_parser("dlq", help="dead-letter tools: list them by code, replay them after a fix")
+    dsub = dp.add_subparsers(dest="dlq_command", required=True, metavar="list|replay")
+    dl = dsub.add_parser("list", help="one row per error code: count, retryable, replayed, a sample message")
     dr = dsub.add_parser("replay", help="re-publish selected dead letters' original bytes to the request topic")
-    dsrc = dr.add_mutually_exclusive_group(required=True)
-    dsrc.add_argument("--lake", help="read dead letters from the lake")
-    dsrc.add_argument("--from-topic", nargs="?", const="", metavar="TOPIC",
-                      help="read dead letters from the topic (default the dead-letter topic)")
+    for d in (dl, dr):
+        dsrc = d.add_mutually_exclusive_group(required=True)
+        dsrc.add_argument("--lake", help="read dead letters from the lake")
+        dsrc.add_argument("--from-topic", nargs="?", const="", metavar="TOPIC",
+                          help="read dead letters from the topic (default the dead-letter topic)")
+        d.add_argument("--run-id", action="append", default=[], help="run id (repeatable)")
+        d.add_argument("--runs-dir", default="runs", help="replay ledger directory (default ./runs)")
+    dl.add_argument("--json", action="store_true", help="the rows as JSON")
+    _kafka_args(dl, topics=("dead-letter",))
     dr.add_argument("--code", action="append", default=[], help="error code (repeatable)")
-    dr.add_argument("--run-id", action="append", default=[], help="run id (repeatable)")
     dr.add_argument("--request-id", action="append", default=[], help="request id (repeatable)")
     dr.add_argument("--retryable-only", action="store_true", help="only claim_check_failed/inference_failed/internal_error")
     dr.add_argument("--limit", type=int)
     dr.add_argument("--to-topic", help="default: the request topic")
-    dr.add_argument("--runs-dir", default="runs", help="replay ledger directory (default ./runs)")
     dr.add_argument("--force", action="store_true", help="replay again what the ledger says was replayed")
     dr.add_argument("--dry-run", action="store_true")
     _kafka_args(dr, topics=("request", "dead-letter"))
@@ -356,11 +360,18 @@ def cmd_audit(args) -> int:
 def cmd_dlq(args) -> int:
     from producer_tools import dlq as D
 
-    kafka = _kafka(args, check=not (args.lake and args.dry_run))
+    kafka = _kafka(args, check=not (args.lake and (args.dlq_command == "list" or args.dry_run)))
     if args.lake:
         items = D.from_lake(args.lake, run_id=args.run_id[0] if len(args.run_id) == 1 else None)
     else:
         items = asyncio.run(D.from_topic(kafka, args.from_topic or None))
+    if args.dlq_command == "list":
+        rows = D.by_code(D.select(items, run_ids=args.run_id), args.runs_dir)
+        if args.json:
+            _print_json(rows)
+        else:
+            print(D.format_by_code(rows))
+        return 0
     chosen = D.select(items, codes=args.code, run_ids=args.run_id, request_ids=args.request_id,
                       retryable_only=args.retryable_only, limit=args.limit)
     summary = asyncio.run(D.replay(kafka, chosen, to_topic=args.to_topic, runs_dir=args.runs_dir, force=args.force,
