@@ -5,7 +5,8 @@ Kafka connection and topic names come from the worker's environment variables
 (``ALPAMAYO_KAFKA_BOOTSTRAP_SERVERS``, ``ALPAMAYO_KAFKA_SECURITY_PROTOCOL``,
 ``ALPAMAYO_KAFKA_SASL_MECHANISM``/``_USERNAME``/``_PASSWORD``, ``ALPAMAYO_KAFKA_SSL_CAFILE``,
 ``ALPAMAYO_REQUEST_TOPIC``, ``ALPAMAYO_RESULT_TOPIC``, ``ALPAMAYO_DEAD_LETTER_TOPIC``); the
-``--bootstrap-servers`` and ``--*-topic`` flags override them.
+``--bootstrap-servers`` and ``--*-topic`` flags override them. A command that talks to Kafka first
+waits up to ``ALPAMAYO_KAFKA_WAIT_S`` (default 5) for a broker, then stops with one line.
 
     alpamayo-producer topics create --partitions 6 --replication-factor 3
     alpamayo-producer topics describe

@@ -275,7 +275,8 @@ VARIABLES: dict[str, str] = {
     "ALPAMAYO_HTTP_HOST": "side port bind address (default 0.0.0.0)",
     "ALPAMAYO_HTTP_PORT": "side port: health, models, metrics (default 8000)",
     "ALPAMAYO_DRAIN_TIMEOUT_S": "SIGTERM grace: finish, publish and commit within this (default 60)",
-    "ALPAMAYO_KAFKA_WAIT_S": "startup: seconds to wait for a reachable Kafka broker before refusing (default 5)",
+    "ALPAMAYO_KAFKA_WAIT_S": "startup: seconds to wait for a reachable Kafka broker before refusing (default 5; the "
+                             "producer tools wait as long)",
     "ALPAMAYO_STATS_INTERVAL_S": "seconds between the stats lines logged while there is traffic (results/s, queue, "
                                  "in flight, dead letters by code, acceptance, GPU memory) and between "
                                  "warnings per dead-letter code (default 10; 0: off)",
