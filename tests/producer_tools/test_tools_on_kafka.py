@@ -280,7 +280,7 @@ async def test_mixed_run_through_worker_sink_and_audit_is_complete(kafka_bootstr
         opts = P.PublishOptions(tasks=list(S.TASKS), mix="all", run_id=run_id, runs_dir=str(runs), max_tokens=4,
                                 object_store=f"file://{store}", claim_check_threshold=20_000, progress=False)
         _, items = iter_synthetic(n_scenes, seed=40)
-        s1 = await P.publish(kafka, items, opts)
+        s1 = await P.publish(kafka, items, opts, total_scenes=n_scenes)
         assert s1["published"] == n_scenes * 5 and 0 < s1["claim_checked"] < s1["published"]
         # a run of one request the deployment cannot serve (K=2, served K is 1) -> dead letter
         bad_run = f"{run_id}-k2"
