@@ -1,6 +1,7 @@
 # alpamayo-worker developer entry points.
 #
 #   make venv         Python venv outside the clone, keyed by pyproject.toml + requirements.lock
+#   make venv-path    print the venv's directory (source "$(make -s venv-path)/bin/activate")
 #   make kafka-jars   Apache Kafka jars from Maven Central into the cache (deploy/local/pom.xml)
 #   make test         venv + jars + pytest (the tests start and stop their own local Kafka)
 #   make demo         venv + jars + python -m producer_tools.demo
@@ -30,7 +31,7 @@ PKGS := $(sort $(patsubst %/__init__.py,%,$(wildcard */__init__.py)))
 PYTEST_ARGS ?=
 KAFKA_ARGS ?= --name dev
 
-.PHONY: venv kafka-jars test demo kafka-start kafka-stop kafka-status clean-cache check-python
+.PHONY: venv venv-path kafka-jars test demo kafka-start kafka-stop kafka-status clean-cache check-python
 
 check-python:
 	@if [ -z "$(PYTHON)" ]; then echo "error: Python 3.11+ not found (set PYTHON=...)" >&2; exit 1; fi
@@ -53,6 +54,9 @@ venv: check-python
 	  if $(PIP) install -q --no-deps --no-build-isolation -e .; then echo "$$stamp" > "$(VENV)/.editable"; \
 	  else echo "warning: editable install of $(CURDIR) failed (see above): tests still import it through PYTHONPATH, console scripts are missing" >&2; fi; \
 	fi
+
+venv-path:
+	@echo "$(VENV)"
 
 kafka-jars: check-python
 	@"$(PYTHON)" -m deploy.local.cluster jars

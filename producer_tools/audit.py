@@ -13,8 +13,18 @@ Reconciles the run manifest written by ``publish`` (``<runs-dir>/<run_id>.jsonl`
 * ``unexpected``: ids of the run in the lake that the manifest does not list;
 * ``undecodable``: rows the sink could not decode.
 
-Exit status: 0 when complete, 1 when anything is missing or a lake duplicate exists (also for
-failures and redeliveries with ``--strict``), 2 on usage errors.
+The verdict and the exit status:
+
+* ``COMPLETE`` (exit 0): every planned request has a result (with ``--strict``, redeliveries,
+  unexpected ids and undecodable rows exit 1 as well);
+* ``FAILED`` (exit 1): every planned request landed, but n of them only as dead letters (counted
+  by code), or the lake holds a Kafka record twice;
+* ``INCOMPLETE`` (exit 3): n of the N planned requests have landed; the rest were never
+  published (an interrupted or ``--limit`` ed publish: the report shows the command that resumes
+  it) or are published without an output yet (the worker or the sink is behind or down).
+
+N is the run's planned total, kept in the run manifest by ``publish``; runs published without
+one (older manifests, the chaos harness) plan what they published. Exit 2: usage errors.
 """
 
 from __future__ import annotations
@@ -28,7 +38,9 @@ from producer_tools.common import ToolError
 from producer_tools.lake import read_lake
 from producer_tools.run_manifest import RunManifest
 
-__all__ = ["AuditReport", "audit_run", "reconcile", "format_report"]
+__all__ = ["AuditReport", "audit_run", "reconcile", "format_report", "EXIT_CODES"]
+
+EXIT_CODES = {"COMPLETE": 0, "FAILED": 1, "INCOMPLETE": 3}
 
 
 @dataclass
@@ -48,21 +60,34 @@ class AuditReport:
     undecodable: int = 0
     republished: int = 0
     manifest: str | None = None
+    planned: int | None = None          # the run's planned total (None: what was published)
+    resume_command: str | None = None
+
+    @property
+    def unpublished(self) -> int:
+        return max(0, (self.planned or 0) - self.published)
+
+    @property
+    def verdict(self) -> str:
+        if self.missing or self.unpublished:
+            return "INCOMPLETE"
+        if self.failed or self.lake_duplicates:
+            return "FAILED"
+        return "COMPLETE"
 
     @property
     def complete(self) -> bool:
-        return not self.missing and not self.lake_duplicates
+        return self.verdict == "COMPLETE"
 
     def exit_code(self, strict: bool = False) -> int:
-        if not self.complete:
-            return 1
-        if strict and (self.failed or self.duplicated or self.unexpected or self.undecodable):
-            return 1
-        return 0
+        verdict = self.verdict
+        if verdict != "COMPLETE":
+            return EXIT_CODES[verdict]
+        return 1 if strict and (self.duplicated or self.unexpected or self.undecodable) else 0
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        d["complete"] = self.complete
+        d.update(verdict=self.verdict, complete=self.complete, unpublished=self.unpublished)
         return d
 
 
@@ -110,7 +135,7 @@ def reconcile(run_id: str, published_ids: list[str], result_rows: list[dict], de
 def audit_run(run_id: str, lake: str, manifest_path: str | None = None, runs_dir: str = "runs",
               use_manifest: bool = True) -> AuditReport:
     published: list[str] = []
-    mpath = None
+    mpath = m = None
     if use_manifest:
         m = RunManifest(manifest_path) if manifest_path else RunManifest.for_run(runs_dir, run_id)
         mpath = str(m.path)
@@ -126,7 +151,10 @@ def audit_run(run_id: str, lake: str, manifest_path: str | None = None, runs_dir
     dls = read_lake(lake, "dead_letters", run_id=run_id, columns=cols_d).to_pylist()
     if not use_manifest:
         published = sorted({r["request_id"] for r in results + dls if r.get("request_id")})
-    return reconcile(run_id, published, results, dls, manifest=mpath)
+    rep = reconcile(run_id, published, results, dls, manifest=mpath)
+    if m is not None:
+        rep.planned, rep.resume_command = m.planned, m.resume_command
+    return rep
 
 
 def _sample(ids, n: int = 20) -> str:
@@ -135,9 +163,28 @@ def _sample(ids, n: int = 20) -> str:
     return ", ".join(ids[:n]) + more
 
 
+def _headline(rep: AuditReport) -> str:
+    planned = rep.planned if rep.planned is not None else rep.published
+    codes = ", ".join(f"{c} {n}" for c, n in rep.failed_codes.items())
+    if rep.verdict == "COMPLETE":
+        return f"COMPLETE: every one of the {planned} planned requests has a result"
+    if rep.verdict == "FAILED":
+        return (f"FAILED: {len(rep.failed)} of {planned} planned requests dead-lettered ({codes})" if rep.failed
+                else f"FAILED: {len(rep.lake_duplicates)} Kafka records are in the lake twice")
+    why = []
+    if rep.unpublished:
+        why.append(f"{rep.unpublished} never published (resume: {rep.resume_command or 'publish again with --run-id ' + rep.run_id})")
+    if rep.missing:
+        why.append(f"{len(rep.missing)} published without an output yet (is a worker serving and a sink running?)")
+    if rep.failed:
+        why.append(f"{len(rep.failed)} dead-lettered ({codes})")
+    return f"INCOMPLETE: {rep.landed} of {planned} planned requests landed; " + "; ".join(why)
+
+
 def format_report(rep: AuditReport) -> str:
     lines = [
-        f"run {rep.run_id}: {'COMPLETE' if rep.complete else 'INCOMPLETE'}",
+        f"run {rep.run_id}: {_headline(rep)}",
+        f"  planned   {rep.planned if rep.planned is not None else '-'} requests",
         f"  published {rep.published} request ids ({rep.manifest or 'from the lake'})",
         f"  landed    {rep.landed} (results rows {rep.results}, dead-letter rows {rep.dead_letters})",
         f"  missing   {len(rep.missing)}" + (f": {_sample(rep.missing)}" if rep.missing else ""),

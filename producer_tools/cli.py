@@ -5,7 +5,8 @@ Kafka connection and topic names come from the worker's environment variables
 (``ALPAMAYO_KAFKA_BOOTSTRAP_SERVERS``, ``ALPAMAYO_KAFKA_SECURITY_PROTOCOL``,
 ``ALPAMAYO_KAFKA_SASL_MECHANISM``/``_USERNAME``/``_PASSWORD``, ``ALPAMAYO_KAFKA_SSL_CAFILE``,
 ``ALPAMAYO_REQUEST_TOPIC``, ``ALPAMAYO_RESULT_TOPIC``, ``ALPAMAYO_DEAD_LETTER_TOPIC``); the
-``--bootstrap-servers`` and ``--*-topic`` flags override them.
+``--bootstrap-servers`` and ``--*-topic`` flags override them. A command that talks to Kafka first
+waits up to ``ALPAMAYO_KAFKA_WAIT_S`` (default 5) for a broker, then stops with one line.
 
     alpamayo-producer topics create --partitions 6 --replication-factor 3
     alpamayo-producer topics describe
@@ -13,12 +14,13 @@ Kafka connection and topic names come from the worker's environment variables
     alpamayo-producer publish --scenes-dir scenes/ --run-id run-20250101-a   # resumes run-20250101-a
     alpamayo-producer sink --lake lake/ [--until-idle 30]
     alpamayo-producer audit RUN_ID --lake lake/
+    alpamayo-producer dlq list --lake lake/
     alpamayo-producer dlq replay --lake lake/ --code inference_failed --run-id RUN_ID
     alpamayo-producer qualify --out qual/ [--checkpoint DIR --head DIR]
     alpamayo-producer report --lake lake/ --out report/
 
-Exit status: 0 success, 1 audit found missing requests, 2 usage/configuration/Kafka errors,
-130 interrupted.
+Exit status: 0 success; audit: 0 COMPLETE, 1 FAILED (requests dead-lettered), 3 INCOMPLETE (requests
+not landed yet); 2 usage/configuration/Kafka errors; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import sys
+import textwrap
 from typing import Any, Sequence
 
 import schemas as S
-from producer_tools.common import ToolError, die, kafka_options, parse_size
+from producer_tools.common import ToolError, check_brokers, die, kafka_options, new_run_id, parse_size
 from worker import log_filter
 from worker.config import ConfigError
 
@@ -84,11 +88,22 @@ def _kafka_args(p: argparse.ArgumentParser, *, topics: Sequence[str] = ("request
                        help=f"overrides ALPAMAYO_{t.replace('-', '_').upper()}_TOPIC")
 
 
-def _kafka(args) -> Any:
-    return kafka_options(bootstrap_servers=args.bootstrap_servers,
+def _kafka(args, check: bool = True) -> Any:
+    """The Kafka options of a command; ``check``: a broker must answer first (one line otherwise)."""
+    opts = kafka_options(bootstrap_servers=args.bootstrap_servers,
                          request_topic=getattr(args, "request_topic", None),
                          result_topic=getattr(args, "result_topic", None),
                          dead_letter_topic=getattr(args, "dead_letter_topic", None))
+    if check:
+        check_brokers(opts)
+    return opts
+
+
+def _command(sub, name: str, help: str, *examples: str, description: str | None = None) -> argparse.ArgumentParser:
+    """A subcommand whose --help shows its description and examples."""
+    return sub.add_parser(name, help=help, description=textwrap.fill(description or help[0].upper() + help[1:] + ".", 100),
+                          epilog="examples:\n" + "\n".join(f"  alpamayo-producer {e}" for e in examples),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,34 +113,45 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     # -- topics ------------------------------------------------------------------------------
-    tp = sub.add_parser("topics", help="create/describe the request, result and dead-letter topics")
+    tp = _command(sub, "topics", "create/describe the request, result and dead-letter topics",
+                  "topics create --partitions 6", "topics describe")
     tsub = tp.add_subparsers(dest="topics_command", required=True, metavar="create|describe")
-    tc = tsub.add_parser("create", help="create the three topics (existing ones are left unchanged)")
+    tc = _command(tsub, "create", "create the three topics (existing ones are left unchanged)",
+                  "topics create --partitions 6 --replication-factor 3",
+                  "topics create --partitions 1 --bootstrap-servers 127.0.0.1:9092")
     tc.add_argument("--partitions", type=int, default=6, help="partitions per topic (default 6)")
-    tc.add_argument("--replication-factor", type=int, default=None, help="default: min(3, brokers)")
+    tc.add_argument("--replication-factor", type=int, default=None, help="replicas per partition (default: min(3, brokers))")
     tc.add_argument("--max-message-bytes", type=_bytes, default=2 << 20,
                     help="requests/results max.message.bytes (default 2MiB; dead letters get +256KiB)")
-    tc.add_argument("--retention-ms", type=int, default=7 * 24 * 3600 * 1000, help="default 7 days")
-    tc.add_argument("--dead-letter-retention-ms", type=int, default=30 * 24 * 3600 * 1000, help="default 30 days")
+    tc.add_argument("--retention-ms", type=int, default=7 * 24 * 3600 * 1000,
+                    help="requests/results retention.ms (default 7 days)")
+    tc.add_argument("--dead-letter-retention-ms", type=int, default=30 * 24 * 3600 * 1000,
+                    help="dead letters' retention.ms (default 30 days)")
     tc.add_argument("--compact-results", action="store_true", help="cleanup.policy=compact,delete on results")
     tc.add_argument("--config", type=_kv, action="append", default=[], metavar="KEY=VALUE",
                     help="extra topic config for all three (repeatable)")
     _kafka_args(tc)
-    td = tsub.add_parser("describe", help="partitions, replication and configs of the topics")
+    td = _command(tsub, "describe", "partitions, replication and configs of the topics (exit 1: one is missing)",
+                  "topics describe", "topics describe alpamayo.results --json")
     td.add_argument("names", nargs="*", help="topics (default: the three configured ones)")
-    td.add_argument("--json", action="store_true")
+    td.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _kafka_args(td)
 
     # -- publish -----------------------------------------------------------------------------
-    pp = sub.add_parser("publish", help="publish scene jobs of a run to the request topic",
-                        description="Publish InferRequests; see producer_tools/scene_sources.py for the manifest format.")
+    pp = _command(sub, "publish", "publish scene jobs of a run to the request topic",
+                  "publish --synthetic 20 --tasks trajectory,vqa --run-id demo-1",
+                  "publish --scenes-dir scenes/ --k 3 --object-store file:///data/claims",
+                  "publish --synthetic 20 --run-id demo-1      # resumes demo-1: skips what was published",
+                  description="Publish InferRequests of a run (one per scene and task) and record each "
+                  "acknowledged one in the run manifest <runs-dir>/<run-id>.jsonl; see "
+                  "producer_tools/scene_sources.py for the manifest format.")
     src = pp.add_mutually_exclusive_group(required=True)
     src.add_argument("--scenes-dir", help="directory of *.msgpack scene files")
     src.add_argument("--manifest", help="JSONL or Parquet manifest of scenes")
     src.add_argument("--synthetic", type=int, metavar="N", help="N synthetic scenes")
     pp.add_argument("--seed", type=int, default=0, help="first synthetic scene seed (default 0)")
     pp.add_argument("--image-size", type=_size2, default=(64, 64), help="synthetic image WxH (default 64x64)")
-    pp.add_argument("--image-format", choices=("png", "jpeg"), default="png")
+    pp.add_argument("--image-format", choices=("png", "jpeg"), default="png", help="synthetic image format (default png)")
     pp.add_argument("--tasks", "--task", type=_tasks, default=["trajectory"],
                     help="task or comma list, or 'all' (default trajectory)")
     pp.add_argument("--mix", choices=("all", "round-robin"), default="all",
@@ -134,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--run-id", help="run id (default: generated); an existing run's id resumes it")
     pp.add_argument("--runs-dir", default="runs", help="where run manifests live (default ./runs)")
     pp.add_argument("--temperature", type=float, help="default 0 for K=1, the contract's 0.6 for K>1")
-    pp.add_argument("--top-p", type=float)
+    pp.add_argument("--top-p", type=float, help="nucleus sampling mass (default: the contract's)")
     pp.add_argument("--sampling-seed", type=int, help="request seed (default: the worker derives one per request id)")
     pp.add_argument("--max-tokens", type=int, help="generated-token cap for the text tasks")
     pp.add_argument("--label", type=_kv, action="append", default=[], metavar="KEY=VALUE", help="request label")
@@ -146,11 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--max-inflight", type=int, default=64, help="unacknowledged sends (default 64)")
     pp.add_argument("--compression", choices=("gzip", "snappy", "lz4", "zstd"), help="producer compression")
     pp.add_argument("--limit", type=int, help="publish at most this many new requests")
-    pp.add_argument("--no-progress", action="store_true")
+    pp.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     _kafka_args(pp, topics=("request",))
 
     # -- sink --------------------------------------------------------------------------------
-    sp = sub.add_parser("sink", help="consume results and dead letters into a Parquet lake (exactly once)")
+    sp = _command(sub, "sink", "consume results and dead letters into a Parquet lake (exactly once)",
+                  "sink --lake lake/", "sink --lake lake/ --until-idle 30 --no-progress")
     sp.add_argument("--lake", required=True, help="lake root directory")
     sp.add_argument("--group-id", default="alpamayo-lake-sink", help="consumer group (default alpamayo-lake-sink)")
     sp.add_argument("--no-dead-letters", action="store_true", help="results only")
@@ -162,77 +189,93 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--lock-timeout", type=float, default=120.0, help="wait this long for a partition lock")
     sp.add_argument("--session-timeout-ms", type=int, default=10_000,
                     help="consumer session timeout: how soon a dead sink's partitions move (default 10000)")
-    sp.add_argument("--no-progress", action="store_true")
+    sp.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     sp.add_argument("--debug-pause", type=float, default=0.0, help=argparse.SUPPRESS)
     _kafka_args(sp, topics=("result", "dead-letter"))
 
     # -- audit -------------------------------------------------------------------------------
-    au = sub.add_parser("audit", help="reconcile a run's published requests with the lake")
-    au.add_argument("run_id")
-    au.add_argument("--lake", required=True)
+    au = _command(sub, "audit", "reconcile a run's planned and published requests with the lake",
+                  "audit demo-1 --lake lake/", "audit demo-1 --lake lake/ --json | head",
+                  description="Reconcile a run's planned and published requests with the lake. Verdict and "
+                  "exit status: COMPLETE (0) every planned request has a result; FAILED (1) every one landed, "
+                  "some only as dead letters; INCOMPLETE (3) some have not landed (the resume command is "
+                  "shown).")
+    au.add_argument("run_id", help="the run id publish printed (--run-id)")
+    au.add_argument("--lake", required=True, help="lake root directory (as for sink)")
     au.add_argument("--manifest", help="run manifest (default <runs-dir>/<run_id>.jsonl)")
-    au.add_argument("--runs-dir", default="runs")
+    au.add_argument("--runs-dir", default="runs", help="where run manifests live (default ./runs)")
     au.add_argument("--no-manifest", action="store_true", help="audit the lake alone (no missing ids)")
     au.add_argument("--strict", action="store_true", help="also fail on failed/duplicated/unexpected ids")
-    au.add_argument("--json", action="store_true")
+    au.add_argument("--json", action="store_true", help="print the report as JSON")
 
     # -- dlq ---------------------------------------------------------------------------------
-    dp = sub.add_parser("dlq", help="dead-letter tools")
-    dsub = dp.add_subparsers(dest="dlq_command", required=True, metavar="replay")
-    dr = dsub.add_parser("replay", help="re-publish selected dead letters' original bytes to the request topic")
-    dsrc = dr.add_mutually_exclusive_group(required=True)
-    dsrc.add_argument("--lake", help="read dead letters from the lake")
-    dsrc.add_argument("--from-topic", nargs="?", const="", metavar="TOPIC",
-                      help="read dead letters from the topic (default the dead-letter topic)")
+    dp = _command(sub, "dlq", "dead-letter tools: list them by code, replay them after a fix",
+                  "dlq list --lake lake/", "dlq replay --lake lake/ --code inference_failed --run-id demo-1")
+    dsub = dp.add_subparsers(dest="dlq_command", required=True, metavar="list|replay")
+    dl = _command(dsub, "list", "one row per error code: count, retryable, replayed, a sample message",
+                  "dlq list --lake lake/", "dlq list --from-topic --run-id demo-1 --json")
+    dr = _command(dsub, "replay", "re-publish selected dead letters' original bytes to the request topic",
+                  "dlq replay --lake lake/ --code inference_failed --dry-run",
+                  "dlq replay --from-topic --retryable-only --limit 100")
+    for d in (dl, dr):
+        dsrc = d.add_mutually_exclusive_group(required=True)
+        dsrc.add_argument("--lake", help="read dead letters from the lake")
+        dsrc.add_argument("--from-topic", nargs="?", const="", metavar="TOPIC",
+                          help="read dead letters from the topic (default the dead-letter topic)")
+        d.add_argument("--run-id", action="append", default=[], help="run id (repeatable)")
+        d.add_argument("--runs-dir", default="runs", help="replay ledger directory (default ./runs)")
+    dl.add_argument("--json", action="store_true", help="the rows as JSON")
+    _kafka_args(dl, topics=("dead-letter",))
     dr.add_argument("--code", action="append", default=[], help="error code (repeatable)")
-    dr.add_argument("--run-id", action="append", default=[], help="run id (repeatable)")
     dr.add_argument("--request-id", action="append", default=[], help="request id (repeatable)")
     dr.add_argument("--retryable-only", action="store_true", help="only claim_check_failed/inference_failed/internal_error")
-    dr.add_argument("--limit", type=int)
+    dr.add_argument("--limit", type=int, help="replay at most this many")
     dr.add_argument("--to-topic", help="default: the request topic")
-    dr.add_argument("--runs-dir", default="runs", help="replay ledger directory (default ./runs)")
     dr.add_argument("--force", action="store_true", help="replay again what the ledger says was replayed")
-    dr.add_argument("--dry-run", action="store_true")
+    dr.add_argument("--dry-run", action="store_true", help="list what would be replayed, send nothing")
     _kafka_args(dr, topics=("request", "dead-letter"))
 
     # -- qualify -----------------------------------------------------------------------------
-    qp = sub.add_parser("qualify", help="DFlash2 vs its baseline profile, per task, offline through the engine")
+    qp = _command(sub, "qualify", "DFlash2 vs its baseline profile, per task, offline through the engine",
+                  "qualify --out qual/", "qualify --checkpoint ckpt/ --head head/ --precision fp8 --device cuda")
     qp.add_argument("--out", default="qualification", help="output directory (default ./qualification)")
     qp.add_argument("--checkpoint", help="checkpoint dir (default: the demo checkpoint)")
     hg = qp.add_mutually_exclusive_group()
     hg.add_argument("--head", help="DFlash2 head dir (default: the demo head)")
     hg.add_argument("--random-head", action="store_true", help="untrained head (plumbing check)")
     qp.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="bf16 vs bf16-dflash2, or fp8")
-    qp.add_argument("--device", choices=("cuda", "cpu"))
+    qp.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
     qp.add_argument("--fp32", action="store_true", help="compute in fp32")
     qp.add_argument("--scenes", type=int, default=8, help="scenes per task (default 8)")
-    qp.add_argument("--seed", type=int, default=0)
-    qp.add_argument("--scenes-dir")
-    qp.add_argument("--image-size", type=_size2, default=(64, 64))
+    qp.add_argument("--seed", type=int, default=0, help="first synthetic scene seed (default 0)")
+    qp.add_argument("--scenes-dir", help="scene files instead of synthetic scenes")
+    qp.add_argument("--image-size", type=_size2, default=(64, 64), help="synthetic image WxH (default 64x64)")
     qp.add_argument("--tasks", type=_tasks, default=list(TASK_CHOICES), help="default all five")
-    qp.add_argument("--repeats", type=int, default=1)
-    qp.add_argument("--k", type=int, default=1)
-    qp.add_argument("--temperature", type=float, default=0.0)
+    qp.add_argument("--repeats", type=int, default=1, help="timed repeats per scene (default 1)")
+    qp.add_argument("--k", type=int, default=1, help="num_traj_samples (default 1)")
+    qp.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     qp.add_argument("--max-tokens", type=int, help="cap for the text tasks")
     qp.add_argument("--trajectory-max-new", type=int, help="reasoning cap for trajectory (default 256)")
     qp.add_argument("--trajectory-atol", type=float, default=0.05,
                     help="metres within which the profiles' trajectories agree (default 0.05)")
     qp.add_argument("--cache-root", help="where demo checkpoint/head are cached (default ALPAMAYO_CACHE)")
-    qp.add_argument("--no-progress", action="store_true")
+    qp.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     # -- report ------------------------------------------------------------------------------
-    rp = sub.add_parser("report", help="summary and plots over a lake")
-    rp.add_argument("--lake", required=True)
-    rp.add_argument("--out", default="report")
-    rp.add_argument("--run-id")
+    rp = _command(sub, "report", "summary and plots over a lake", "report --lake lake/ --out report/",
+                  "report --lake lake/ --run-id demo-1")
+    rp.add_argument("--lake", required=True, help="lake root directory (as for sink)")
+    rp.add_argument("--out", default="report", help="output directory (default ./report)")
+    rp.add_argument("--run-id", help="one run only (default: every run in the lake)")
 
     # -- scenes ------------------------------------------------------------------------------
-    sc = sub.add_parser("scenes", help="write synthetic scene files (a source for publish --scenes-dir)")
-    sc.add_argument("--out", required=True)
-    sc.add_argument("--n", type=int, required=True)
-    sc.add_argument("--seed", type=int, default=0)
-    sc.add_argument("--image-size", type=_size2, default=(64, 64))
-    sc.add_argument("--image-format", choices=("png", "jpeg"), default="png")
+    sc = _command(sub, "scenes", "write synthetic scene files (a source for publish --scenes-dir)",
+                  "scenes --out scenes/ --n 20", "scenes --out scenes/ --n 4 --image-size 1920x1080 --image-format jpeg")
+    sc.add_argument("--out", required=True, help="directory to write *.msgpack scene files into")
+    sc.add_argument("--n", type=int, required=True, help="how many scenes")
+    sc.add_argument("--seed", type=int, default=0, help="first scene seed (default 0)")
+    sc.add_argument("--image-size", type=_size2, default=(64, 64), help="image WxH (default 64x64)")
+    sc.add_argument("--image-format", choices=("png", "jpeg"), default="png", help="image format (default png)")
     return ap
 
 
@@ -271,16 +314,31 @@ def cmd_topics(args) -> int:
     return 0 if all(r["exists"] for r in rows) else 1
 
 
+def _resume_command(argv: Sequence[str], run_id: str) -> str:
+    """The publish command line again with its --run-id and without --limit: what finishes the run."""
+    out, skip = ["alpamayo-producer"], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--limit", "--run-id"):
+            skip = True
+        elif not a.startswith(("--limit=", "--run-id=")):
+            out.append(a)
+    return shlex.join(out + ["--run-id", run_id])
+
+
 def cmd_publish(args) -> int:
     from producer_tools import publish as P
-    from producer_tools.scene_sources import iter_manifest, iter_scene_dir, iter_synthetic
+    from producer_tools.scene_sources import iter_manifest, iter_scene_dir, iter_synthetic, manifest_tasks
 
     kafka = _kafka(args)
+    scene_tasks = None
     if args.scenes_dir:
         total, items = iter_scene_dir(args.scenes_dir)
         source = f"scenes-dir:{args.scenes_dir}"
     elif args.manifest:
         total, items = iter_manifest(args.manifest)
+        scene_tasks = manifest_tasks(args.manifest)
         source = f"manifest:{args.manifest}"
     else:
         total, items = iter_synthetic(args.synthetic, args.seed, args.image_size, args.image_format)
@@ -289,14 +347,17 @@ def cmd_publish(args) -> int:
         die("--k must be in 1..16")
     if args.k > 1 and args.temperature == 0:
         die("--k > 1 needs --temperature > 0")
+    run_id = args.run_id or new_run_id()
     opts = P.PublishOptions(
-        tasks=args.tasks, mix=args.mix, k=args.k, run_id=args.run_id, runs_dir=args.runs_dir,
+        tasks=args.tasks, mix=args.mix, k=args.k, run_id=run_id, runs_dir=args.runs_dir,
         temperature=args.temperature, top_p=args.top_p, sampling_seed=args.sampling_seed,
         max_tokens=args.max_tokens, labels=dict(args.label), claim_check_threshold=args.claim_check_threshold,
         object_store=args.object_store,
         content_type=S.CONTENT_TYPE_JSON if args.json_encoding else S.CONTENT_TYPE_MSGPACK,
         rate=args.rate, max_inflight=args.max_inflight, compression=args.compression, limit=args.limit,
-        progress=not args.no_progress, source=source)
+        progress=not args.no_progress, source=source,
+        planned=P.planned_total(scene_tasks or [None] * total, args.tasks, args.mix),
+        resume_command=_resume_command(args.argv, run_id))
     summary = asyncio.run(P.publish(kafka, items, opts, total_scenes=total))
     _print_json(summary)
     return 0
@@ -333,11 +394,18 @@ def cmd_audit(args) -> int:
 def cmd_dlq(args) -> int:
     from producer_tools import dlq as D
 
-    kafka = _kafka(args)
+    kafka = _kafka(args, check=not (args.lake and (args.dlq_command == "list" or args.dry_run)))
     if args.lake:
         items = D.from_lake(args.lake, run_id=args.run_id[0] if len(args.run_id) == 1 else None)
     else:
         items = asyncio.run(D.from_topic(kafka, args.from_topic or None))
+    if args.dlq_command == "list":
+        rows = D.by_code(D.select(items, run_ids=args.run_id), args.runs_dir)
+        if args.json:
+            _print_json(rows)
+        else:
+            print(D.format_by_code(rows))
+        return 0
     chosen = D.select(items, codes=args.code, run_ids=args.run_id, request_ids=args.request_id,
                       retryable_only=args.retryable_only, limit=args.limit)
     summary = asyncio.run(D.replay(kafka, chosen, to_topic=args.to_topic, runs_dir=args.runs_dir, force=args.force,
@@ -387,7 +455,9 @@ COMMANDS = {"topics": cmd_topics, "publish": cmd_publish, "sink": cmd_sink, "aud
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.verbose < 2:

@@ -10,6 +10,7 @@ profile, say) never stops a producer tool. Command-line flags override the envir
 
 from __future__ import annotations
 
+import asyncio
 import datetime as _dt
 import os
 import secrets
@@ -19,12 +20,13 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, NoReturn
 
 from worker.config import load_settings
-from worker.kafka_clients import security_kwargs
+from worker.kafka_clients import kafka_preflight, security_kwargs
 
 __all__ = [
     "KAFKA_ENV_VARS",
     "KafkaOptions",
     "kafka_options",
+    "check_brokers",
     "client_kwargs",
     "atomic_write_bytes",
     "fsync_dir",
@@ -45,6 +47,7 @@ KAFKA_ENV_VARS = (
     "ALPAMAYO_KAFKA_SASL_USERNAME",
     "ALPAMAYO_KAFKA_SASL_PASSWORD",
     "ALPAMAYO_KAFKA_SSL_CAFILE",
+    "ALPAMAYO_KAFKA_WAIT_S",
     "ALPAMAYO_CACHE",
 )
 
@@ -69,6 +72,7 @@ class KafkaOptions:
     sasl_username: str | None = None
     sasl_password: str | None = None
     ssl_cafile: str | None = None
+    kafka_wait_s: float = 5.0           # how long check_brokers waits for a reachable broker
 
 
 def kafka_options(env: Mapping[str, str] | None = None, **overrides: Any) -> KafkaOptions:
@@ -86,8 +90,16 @@ def kafka_options(env: Mapping[str, str] | None = None, **overrides: Any) -> Kaf
         sasl_username=s.sasl_username,
         sasl_password=s.sasl_password,
         ssl_cafile=str(s.ssl_cafile) if s.ssl_cafile else None,
+        kafka_wait_s=s.kafka_wait_s,
     )
     return replace(opts, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def check_brokers(opts: KafkaOptions) -> None:
+    """The worker's startup preflight for a tool: one connection to a bootstrap server, before any
+    client starts. Raises ConfigError (one line naming --bootstrap-servers and the variable)."""
+    asyncio.run(kafka_preflight(opts, client_id="alpamayo-producer-preflight",  # type: ignore[arg-type]
+                                address_names="--bootstrap-servers or ALPAMAYO_KAFKA_BOOTSTRAP_SERVERS"))
 
 
 def client_kwargs(opts: KafkaOptions) -> dict[str, Any]:

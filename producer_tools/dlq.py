@@ -1,4 +1,8 @@
-"""``alpamayo-producer dlq replay``: re-publish selected dead letters after a fix.
+"""``alpamayo-producer dlq list`` / ``dlq replay``: what was dead-lettered, by code; re-publish
+selected dead letters after a fix.
+
+``dlq list`` prints one row per error code: how many, whether the code is retryable, how many of
+them the replay ledger says were replayed, and one sample message.
 
 Dead letters come from the lake (``--lake DIR``, the ``dead_letters`` table the sink writes) or
 straight from the dead-letter topic (``--from-topic``; read from the beginning up to the end
@@ -34,7 +38,7 @@ import schemas as S
 from producer_tools.common import KafkaOptions, ToolError, client_kwargs
 
 __all__ = ["HEADER_REPLAY_OF", "HEADER_REPLAY_OF_KEY", "HEADER_ATTEMPT", "DeadLetterItem", "from_lake",
-           "from_topic", "select", "replay_headers", "replay"]
+           "from_topic", "select", "replay_headers", "replay", "by_code", "format_by_code"]
 
 HEADER_REPLAY_OF = S.HEADER_REPLAY_OF
 HEADER_REPLAY_OF_KEY = "replay-of-key"
@@ -54,6 +58,7 @@ class DeadLetterItem:
     truncated: bool
     original_key: bytes | None
     original_headers: list[tuple[str, bytes]]
+    error_message: str | None = None
 
     @property
     def retryable(self) -> bool:
@@ -67,7 +72,7 @@ def _item_from_dl(dl: S.DeadLetter, coords: str, key: bytes | None) -> DeadLette
     return DeadLetterItem(coords=coords, key=key, request_id=dl.request_id, run_id=dl.run_id,
                           error_code=dl.error_code.value, attempt=dl.attempt, original_value=dl.original_value,
                           truncated=dl.original_cut, original_key=dl.original_key,
-                          original_headers=list(dl.original_headers))
+                          original_headers=list(dl.original_headers), error_message=dl.error_message)
 
 
 def from_lake(lake: str, run_id: str | None = None) -> list[DeadLetterItem]:
@@ -84,7 +89,7 @@ def from_lake(lake: str, run_id: str | None = None) -> list[DeadLetterItem]:
             request_id=r.get("request_id"), run_id=r.get("run_id"), error_code=r.get("error_code"),
             attempt=int(r.get("attempt") or 1), original_value=r.get("original_value") or b"",
             truncated=bool(r.get("original_value_truncated")) or any(k == S.TRUNCATION_HEADER for k, _ in headers),
-            original_key=r.get("original_key"), original_headers=headers))
+            original_key=r.get("original_key"), original_headers=headers, error_message=r.get("error_message")))
     out.sort(key=lambda d: d.coords)
     return out
 
@@ -109,9 +114,9 @@ async def from_topic(kafka: KafkaOptions, topic: str | None = None, timeout_s: f
     topic = topic or kafka.dead_letter_topic
     consumer = AIOKafkaConsumer(**client_kwargs(kafka), group_id=None, enable_auto_commit=False,
                                 isolation_level="read_committed", max_partition_fetch_bytes=32 << 20)
-    await consumer.start()
     out: list[DeadLetterItem] = []
     try:
+        await consumer.start()
         parts = await _partitions(kafka, topic)
         tps = [TopicPartition(topic, p) for p in sorted(parts)]
         consumer.assign(tps)
@@ -183,6 +188,31 @@ def _replayed(runs_dir: str) -> set[str]:
             except (ValueError, KeyError):
                 continue
     return done
+
+
+def by_code(items: Iterable[DeadLetterItem], runs_dir: str = "runs") -> list[dict[str, Any]]:
+    """One row per error code (most frequent first): code, count, retryable, replayed (per the
+    replay ledger in ``runs_dir``), a sample message."""
+    done = _replayed(runs_dir)
+    rows: dict[str, dict[str, Any]] = {}
+    for d in items:
+        code = d.error_code or "unknown"
+        row = rows.setdefault(code, {"code": code, "count": 0, "retryable": d.retryable, "replayed": 0,
+                                     "sample": d.error_message or ""})
+        row["count"] += 1
+        row["replayed"] += d.coords in done
+        row["sample"] = row["sample"] or d.error_message or ""
+    return sorted(rows.values(), key=lambda r: (-r["count"], r["code"]))
+
+
+def format_by_code(rows: Sequence[dict[str, Any]], width: int = 72) -> str:
+    head = ("code", "count", "retryable", "replayed", "sample message")
+    cells = [head] + [(r["code"], str(r["count"]), "yes" if r["retryable"] else "no", str(r["replayed"]),
+                       r["sample"] if len(r["sample"]) <= width else r["sample"][: width - 3] + "...") for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(4)]
+    lines = ["  ".join(c[i].ljust(widths[i]) for i in range(4)) + "  " + c[4] for c in cells]
+    total = sum(r["count"] for r in rows)
+    return "\n".join([lines[0].rstrip(), *lines[1:], f"{total} dead letters, {len(rows)} codes"])
 
 
 async def replay(kafka: KafkaOptions, items: Sequence[DeadLetterItem], *, to_topic: str | None = None,

@@ -31,6 +31,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Iterable, Iterator, Sequence
 
 from aiokafka import AIOKafkaProducer
@@ -46,6 +47,7 @@ __all__ = [
     "PublishOptions",
     "request_id_for",
     "plan_requests",
+    "planned_total",
     "run_request",
     "publish",
 ]
@@ -71,6 +73,12 @@ def plan_requests(items: Iterable[SceneItem], tasks: Sequence[str], mix: str = "
         else:
             for task in t:
                 yield item, task
+
+
+def planned_total(scene_tasks: Iterable[list[str] | None], tasks: Sequence[str], mix: str = "all") -> int:
+    """How many requests a run plans: :func:`plan_requests` over each scene's own tasks (None:
+    the run's)."""
+    return sum(1 for _ in plan_requests((SimpleNamespace(tasks=t) for t in scene_tasks), tasks, mix))
 
 
 def run_request(item: SceneItem, task: str, k: int, run_id: str, *, temperature: float | None = None,
@@ -109,6 +117,8 @@ class PublishOptions:
     limit: int | None = None            # publish at most this many (new) requests
     progress: bool = True
     source: str = ""                    # description for the manifest header
+    planned: int | None = None          # requests the run plans (default: scenes x tasks)
+    resume_command: str | None = None   # the command that resumes the run (audit shows it)
 
 
 async def publish(kafka: KafkaOptions, items: Iterable[SceneItem], opts: PublishOptions,
@@ -122,11 +132,16 @@ async def publish(kafka: KafkaOptions, items: Iterable[SceneItem], opts: Publish
             raise ToolError(f"unknown task {t!r}: use one of {', '.join(S.TASKS)}")
     manifest = RunManifest.for_run(opts.runs_dir, run_id)
     resumed = manifest.exists
+    made = manifest.header or {}
+    if resumed and "k" in made and (made["k"], made.get("tasks")) != (opts.k, list(opts.tasks)):
+        raise ToolError(f"run {run_id} was created with --tasks {','.join(made.get('tasks') or [])} --k {made['k']}, "
+                        f"not --tasks {','.join(opts.tasks)} --k {opts.k}: resume it with the same --tasks and --k, "
+                        "or publish these requests under a new --run-id")
     done = manifest.published_ids()
     store = ObjectStore(opts.object_store) if opts.object_store else None
-    total = None
-    if total_scenes is not None:
-        total = total_scenes if opts.mix == "round-robin" else total_scenes * len(opts.tasks)
+    total = opts.planned
+    if total is None and total_scenes is not None:
+        total = planned_total([None] * total_scenes, opts.tasks, opts.mix)
     producer = AIOKafkaProducer(
         **client_kwargs(kafka), acks="all", enable_idempotence=True, linger_ms=5,
         max_request_size=max(1 << 20, opts.claim_check_threshold + (64 << 10)),
@@ -157,7 +172,7 @@ async def publish(kafka: KafkaOptions, items: Iterable[SceneItem], opts: Publish
         raise
     manifest.open({"run_id": run_id, "created_at": time.time(), "request_topic": kafka.request_topic,
                    "bootstrap_servers": kafka.bootstrap_servers, "tasks": list(opts.tasks), "mix": opts.mix,
-                   "k": opts.k, "source": opts.source})
+                   "k": opts.k, "source": opts.source}, planned=total, resume_command=opts.resume_command)
     t_start = time.monotonic()
     bar = tqdm(total=total, unit="req", desc=f"publish {run_id}", disable=not opts.progress, file=sys.stderr)
     sent = 0

@@ -16,8 +16,9 @@ __all__ = ["RunManifest"]
 class RunManifest:
     """``<runs-dir>/<run_id>.jsonl``: a header line, then one line per acknowledged request.
 
-    Lines: ``{"kind": "run", ...}`` (first), ``{"kind": "session", ...}`` (each publish
-    invocation), ``{"kind": "published", "request_id", "scene_id", "task", "k", "topic",
+    Lines: ``{"kind": "run", ...}`` (first: run_id, tasks, k, ...), ``{"kind": "session", ...}``
+    (each publish invocation, with ``planned``: the requests its source plans for the run, and
+    ``resume_command``), ``{"kind": "published", "request_id", "scene_id", "task", "k", "topic",
     "partition", "offset", "bytes", "image_refs", "ts"}``. A torn last line (crash mid-write)
     is ignored on reading.
     """
@@ -26,6 +27,7 @@ class RunManifest:
         self.path = Path(path)
         self.header: dict | None = None
         self.records: list[dict] = []
+        self.sessions: list[dict] = []
         self._f = None
         self._last_sync = 0.0
         if self.path.exists():
@@ -47,6 +49,8 @@ class RunManifest:
                     self.header = obj
                 elif kind == "published":
                     self.records.append(obj)
+                elif kind == "session":
+                    self.sessions.append(obj)
 
     @property
     def exists(self) -> bool:
@@ -56,10 +60,24 @@ class RunManifest:
     def run_id(self) -> str | None:
         return self.header.get("run_id") if self.header else None
 
+    def _latest(self, key: str):
+        return next((s[key] for s in reversed(self.sessions) if s.get(key) is not None), None)
+
+    @property
+    def planned(self) -> int | None:
+        """Requests the run plans (its latest session's source); None when no session knew."""
+        return self._latest("planned")
+
+    @property
+    def resume_command(self) -> str | None:
+        return self._latest("resume_command")
+
     def published_ids(self) -> set[str]:
         return {r["request_id"] for r in self.records}
 
-    def open(self, header: dict) -> None:
+    def open(self, header: dict, **session) -> None:
+        """Start a session (creating the run with ``header`` when new); ``session``: extra fields
+        of the session line (``planned``, ``resume_command``)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         new = not self.path.exists() or self.path.stat().st_size == 0
         if not new and self.header is None:
@@ -79,8 +97,10 @@ class RunManifest:
             self._write(self.header)
             self.sync()
             fsync_dir(self.path.parent)
-        self._write({"kind": "session", "started_at": time.time(), "pid": os.getpid(), "resumed": not new,
-                     "already_published": len(self.records)})
+        line = {"kind": "session", "started_at": time.time(), "pid": os.getpid(), "resumed": not new,
+                "already_published": len(self.records), **session}
+        self.sessions.append(line)
+        self._write(line)
 
     def _write(self, obj: dict) -> None:
         self._f.write(json.dumps(obj, separators=(",", ":")) + "\n")

@@ -24,7 +24,7 @@ from producer_tools.common import ToolError
 from worker.scenes import generate_scene, read_scene
 from worker.scenes.request import SceneItem, scene_item
 
-__all__ = ["iter_scene_dir", "iter_manifest", "iter_synthetic"]
+__all__ = ["iter_scene_dir", "iter_manifest", "manifest_tasks", "iter_synthetic"]
 
 
 def _lazy_scene(path: Path, **overrides) -> SceneItem:
@@ -112,6 +112,11 @@ def iter_manifest(path: str | os.PathLike) -> tuple[int, Iterator[SceneItem]]:
     if not rows:
         raise ToolError(f"manifest {path} has no rows")
     return len(rows), (_manifest_item(r, path.parent, i) for i, r in enumerate(rows, 1))
+
+
+def manifest_tasks(path: str | os.PathLike) -> list[list[str] | None]:
+    """Each manifest row's own tasks (None: the run's --tasks), to count the requests of a run."""
+    return [_row_tasks(r) for r in _manifest_rows(Path(path))]
 
 
 def iter_synthetic(n: int, seed: int = 0, image_size: tuple[int, int] = (64, 64),

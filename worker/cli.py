@@ -14,11 +14,12 @@ import dataclasses
 import logging
 import math
 import sys
+import textwrap
 import time
 
 import schemas as S
 from worker import log_filter
-from worker.config import ConfigError, load_settings
+from worker.config import VARIABLES, ConfigError, load_settings
 from worker.errors import Refusal
 from worker.intake import Intake, Job, RawRecord
 from worker.process import serve
@@ -178,11 +179,24 @@ def cmd_demo_checkpoint(argv: list[str]) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+def _variables_help() -> str:
+    """Every environment variable with its meaning and default (worker.config.VARIABLES)."""
+    lines = ["environment variables (worker/config.py):"]
+    for name, text in VARIABLES.items():
+        lines.append(f"  {name}")
+        lines += textwrap.wrap(text, 96, initial_indent="      ", subsequent_indent="      ", break_on_hyphens=False)
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description="Alpamayo 2 Super Kafka GPU worker "
                                  "(configuration: environment variables, see README)")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("serve", help="consume scene jobs from Kafka and publish results (one process per GPU)")
+    sub.add_parser("serve", help="consume scene jobs from Kafka and publish results (one process per GPU)",
+                   description=textwrap.fill("Consume scene jobs from Kafka and publish results (one process "
+                                             "per GPU). Configured by environment variables only; a bad value "
+                                             "stops startup with one line naming the variable (exit 2).", 100),
+                   epilog=_variables_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     rs = sub.add_parser("run-scene", help="run one scene file end to end through the engine and print the result")
     rs.add_argument("path", help="scene file (worker.scenes.write_scene)")
     rs.add_argument("--task", default="trajectory",

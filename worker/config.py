@@ -71,6 +71,7 @@ class Settings:
     drain_timeout_s: float = 60.0
     gpu_memory_fraction: float = 0.90           # weights + KV cache + reserve, of the GPU's memory
     kafka_wait_s: float = 5.0                   # startup: how long to wait for a reachable broker
+    stats_interval_s: float = 10.0              # the stats line and dead-letter warnings (0: off)
     claim_check_roots: tuple[str, ...] = ()
     worker_id: str = "worker"
     cache: Path = field(default_factory=cache_dir)
@@ -198,6 +199,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     kafka_wait = _float(env, "ALPAMAYO_KAFKA_WAIT_S", 5.0, 0.0, 86400.0,
                         "is not a number of seconds (0 to 86400), e.g. ALPAMAYO_KAFKA_WAIT_S=300 to wait for "
                         "Kafka at startup")
+    stats_interval = _float(env, "ALPAMAYO_STATS_INTERVAL_S", 10.0, 0.0, 86400.0,
+                            "is not a number of seconds (0 to 86400), e.g. ALPAMAYO_STATS_INTERVAL_S=10 "
+                            "(0 turns the stats line off)")
     for t in ("ALPAMAYO_REQUEST_TOPIC", "ALPAMAYO_RESULT_TOPIC", "ALPAMAYO_DEAD_LETTER_TOPIC"):
         v = env.get(t)
         if v is not None and not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", v):
@@ -231,6 +235,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         drain_timeout_s=drain_s,
         gpu_memory_fraction=gpu_fraction,
         kafka_wait_s=kafka_wait,
+        stats_interval_s=stats_interval,
         claim_check_roots=roots,
         worker_id=instance or env.get("ALPAMAYO_WORKER_ID") or host,
         cache=cache_dir(env),
@@ -243,24 +248,25 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
 # Documentation of every variable (README's configuration table is generated from this).
 VARIABLES: dict[str, str] = {
     "NIM_MODEL_PROFILE": "bf16 | fp8 | bf16-dflash2 | fp8-dflash2 (default bf16); not together with NIM_PRECISION",
-    "NIM_PRECISION": "bf16 | fp8: selects the matching baseline profile; never enables DFlash2",
+    "NIM_PRECISION": "bf16 | fp8: selects the matching baseline profile; never enables DFlash2 (default unset)",
     "NIM_ALPAMAYO_TRAJ_SAMPLES": "comma list of served K values, each warmed before ready (default 1)",
-    "NIM_ALPAMAYO_SPEC_METRICS": "summary (default on dflash2) | detailed | none",
-    "NIM_ALPAMAYO_SPECULATIVE_MODEL": "custom DFlash2 head directory (dflash2 profiles only; not with NIM_FT_CHECKPOINT)",
+    "NIM_ALPAMAYO_SPEC_METRICS": "summary (default on dflash2) | detailed | none (always none on baseline profiles)",
+    "NIM_ALPAMAYO_SPECULATIVE_MODEL": "custom DFlash2 head directory (dflash2 profiles only; not with NIM_FT_CHECKPOINT; default: the "
+                                      "embedded demo head)",
     "NIM_FT_CHECKPOINT": "checkpoint directory to serve (default: the embedded demo checkpoint)",
-    "NIM_ALPAMAYO_MAX_MODEL_LEN": "context limit in tokens (prompt + generated)",
+    "NIM_ALPAMAYO_MAX_MODEL_LEN": "context limit in tokens (prompt + generated; default 8192)",
     "ALPAMAYO_DEVICE": "cuda | cpu (default: cuda when available)",
     "ALPAMAYO_KAFKA_BOOTSTRAP_SERVERS": "Kafka bootstrap servers (default 127.0.0.1:9092)",
     "ALPAMAYO_REQUEST_TOPIC": "scene jobs (default alpamayo.requests)",
     "ALPAMAYO_RESULT_TOPIC": "results, keyed by request_id (default alpamayo.results)",
     "ALPAMAYO_DEAD_LETTER_TOPIC": "dead letters (default alpamayo.dead-letters)",
     "ALPAMAYO_GROUP_ID": "consumer group (default alpamayo-workers)",
-    "ALPAMAYO_GROUP_INSTANCE_ID": "static group membership id (e.g. the pod name); unset: dynamic membership",
-    "ALPAMAYO_KAFKA_SECURITY_PROTOCOL": "PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL",
+    "ALPAMAYO_GROUP_INSTANCE_ID": "static group membership id (e.g. the pod name); default unset: dynamic membership",
+    "ALPAMAYO_KAFKA_SECURITY_PROTOCOL": "PLAINTEXT (default) | SSL | SASL_PLAINTEXT | SASL_SSL",
     "ALPAMAYO_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512 (default with SASL) | SCRAM-SHA-256 | PLAIN",
-    "ALPAMAYO_KAFKA_SASL_USERNAME": "SASL user",
-    "ALPAMAYO_KAFKA_SASL_PASSWORD": "SASL password",
-    "ALPAMAYO_KAFKA_SSL_CAFILE": "CA certificate (PEM) for SSL/SASL_SSL",
+    "ALPAMAYO_KAFKA_SASL_USERNAME": "SASL user (default unset; required with SASL_*)",
+    "ALPAMAYO_KAFKA_SASL_PASSWORD": "SASL password (default unset; required with SASL_*)",
+    "ALPAMAYO_KAFKA_SSL_CAFILE": "CA certificate (PEM) for SSL/SASL_SSL (default: the system's CA store)",
     "ALPAMAYO_PROCESSING_GUARANTEE": "at_least_once (default) | exactly_once (transactions, read_committed)",
     "ALPAMAYO_MAX_BATCH_SIZE": "most requests in one forward batch (default 8)",
     "ALPAMAYO_MAX_BATCH_WAIT_MS": "longest a partial batch waits for mates (default 20)",
@@ -269,10 +275,15 @@ VARIABLES: dict[str, str] = {
     "ALPAMAYO_HTTP_HOST": "side port bind address (default 0.0.0.0)",
     "ALPAMAYO_HTTP_PORT": "side port: health, models, metrics (default 8000)",
     "ALPAMAYO_DRAIN_TIMEOUT_S": "SIGTERM grace: finish, publish and commit within this (default 60)",
-    "ALPAMAYO_KAFKA_WAIT_S": "startup: seconds to wait for a reachable Kafka broker before refusing (default 5)",
+    "ALPAMAYO_KAFKA_WAIT_S": "startup: seconds to wait for a reachable Kafka broker before refusing (default 5; the "
+                             "producer tools wait as long)",
+    "ALPAMAYO_STATS_INTERVAL_S": "seconds between the stats lines logged while there is traffic (results/s, queue, "
+                                 "in flight, dead letters by code, acceptance, GPU memory) and between "
+                                 "warnings per dead-letter code (default 10; 0: off)",
     "ALPAMAYO_GPU_MEMORY_FRACTION": "share of GPU memory for weights + KV cache + reserve, as vLLM's "
                                     "gpu_memory_utilization (default 0.90); sizes the cache's rows",
-    "ALPAMAYO_CLAIM_CHECK_ROOTS": "comma list of allowed claim-check URI prefixes (file:///data/,...)",
+    "ALPAMAYO_CLAIM_CHECK_ROOTS": "comma list of allowed claim-check URI prefixes (file:///data/,...); default unset: claim "
+                                  "checks are refused",
     "ALPAMAYO_WORKER_ID": "worker id in lineage (default: group instance id or host name)",
     "ALPAMAYO_LOG_LEVEL": "DEBUG | INFO (default) | WARNING | ERROR",
     "ALPAMAYO_MAX_REASONING_TOKENS": "test/benchmark knob: reasoning-token cap of trajectory requests, 1..256 "

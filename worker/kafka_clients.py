@@ -136,11 +136,13 @@ def consumer_kwargs(settings: Settings, revoke_timeout_s: float) -> dict[str, An
         rebalance_timeout_ms=int((revoke_timeout_s + 30) * 1000), **security_kwargs(s))
 
 
-async def kafka_preflight(settings: Settings, timeout: float = 20.0) -> None:
+async def kafka_preflight(settings: Settings, timeout: float = 20.0, *, client_id: str | None = None,
+                          address_names: str = "ALPAMAYO_KAFKA_BOOTSTRAP_SERVERS") -> None:
     """Open one connection to a bootstrap server with the configured security, before minutes of
     model loading. Refused credentials or an untrusted broker certificate raise ConfigError (one
     line, exit 2) at once. No reachable broker: retry for ALPAMAYO_KAFKA_WAIT_S (a line "waiting
-    for Kafka at ..." every 5 s), then ConfigError naming ALPAMAYO_KAFKA_BOOTSTRAP_SERVERS."""
+    for Kafka at ..." every 5 s), then ConfigError naming ``address_names`` (the producer tools
+    name their --bootstrap-servers flag too)."""
     sec = security_kwargs(settings)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + settings.kafka_wait_s
@@ -151,7 +153,7 @@ async def kafka_preflight(settings: Settings, timeout: float = 20.0) -> None:
             host, _, port = hostport.strip().rpartition(":")
             try:
                 conn = await asyncio.wait_for(create_conn(
-                    host, int(port), client_id=f"alpamayo-{settings.worker_id}-preflight",
+                    host, int(port), client_id=client_id or f"alpamayo-{settings.worker_id}-preflight",
                     request_timeout_ms=int(timeout * 1000), security_protocol=sec["security_protocol"],
                     ssl_context=sec.get("ssl_context"), sasl_mechanism=sec.get("sasl_mechanism"),
                     sasl_plain_username=sec.get("sasl_plain_username"),
@@ -177,7 +179,7 @@ async def kafka_preflight(settings: Settings, timeout: float = 20.0) -> None:
         if loop.time() >= deadline:
             raise ConfigError(
                 f"no Kafka broker answered at {settings.bootstrap_servers} within {settings.kafka_wait_s:g} s "
-                f"({last}): check ALPAMAYO_KAFKA_BOOTSTRAP_SERVERS, or set ALPAMAYO_KAFKA_WAIT_S to wait longer")
+                f"({last}): check {address_names}, or set ALPAMAYO_KAFKA_WAIT_S to wait longer")
         if loop.time() >= next_note:
             log.warning("waiting for Kafka at %s (%s)", settings.bootstrap_servers, last)
             next_note = loop.time() + 5.0

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -51,6 +52,7 @@ from worker.kafka_clients import (PartitionProducers, consumer_kwargs, instance_
 from worker.metrics import WorkerMetrics
 from worker.output_limits import OutputLimits, producer_max_request_size, read_output_limits
 from worker.publisher import OffsetTracker, Output, Publisher, PublishError, dead_letter_output, result_output
+from worker.stats import StatsLog
 
 __all__ = ["WorkerService", "load_engine", "EXIT_OK", "EXIT_FAILED", "EXIT_REFUSED"]
 
@@ -108,6 +110,8 @@ class WorkerService:
         self.side = SidePort(self.state, settings.http_host, settings.http_port)
         self.tracker = OffsetTracker()
         self.batcher: Batcher[Job] = Batcher(lambda j: j.group, settings.max_batch_size, settings.max_batch_wait_ms)
+        self.stats = StatsLog(self.metrics, settings.stats_interval_s, queue_depth=lambda: len(self.batcher),
+                              in_flight=lambda: self.tracker.inflight)
         self.exactly_once = settings.processing_guarantee == "exactly_once"
         self.consumer = self.producer = self.publisher = None
         self.output_limits: OutputLimits | None = None     # read from the broker at startup
@@ -143,7 +147,17 @@ class WorkerService:
         if self.install_signal_handlers:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
-        await self.side.start()
+        try:
+            await self.side.start()
+        except OSError as exc:      # another process holds the port (a second worker on this host)
+            self.state.set_ready(False, "failed")
+            print(f"alpamayo-worker: the side port {self.settings.http_host}:{self.settings.http_port} cannot be "
+                  f"bound ({os.strerror(exc.errno) if exc.errno else exc}): set ALPAMAYO_HTTP_PORT to a free port, or stop the process "
+                  "holding it", file=sys.stderr, flush=True)
+            self._intake_pool.shutdown(wait=False)
+            self._engine_pool.shutdown(wait=False)
+            self.exit_code = EXIT_REFUSED
+            return EXIT_REFUSED
         try:
             code = await self._run_loaded(loop)
         finally:
@@ -205,6 +219,8 @@ class WorkerService:
             asyncio.create_task(self.publisher.run(), name="publish"),
             asyncio.create_task(self._monitor_loop(), name="monitor"),
         }
+        if s.stats_interval_s > 0:
+            tasks.add(asyncio.create_task(self.stats.run(), name="stats"))
         stop_wait = asyncio.create_task(self._stop.wait(), name="stop")
         done, _ = await asyncio.wait(tasks | {stop_wait}, return_when=asyncio.FIRST_COMPLETED)
         failed = [t for t in done if t is not stop_wait and (t.cancelled() or t.exception() is not None)]
@@ -368,6 +384,7 @@ class WorkerService:
             return
         if not isinstance(out, DeadLetter):   # intake never raises; belt and braces
             out = self.intake.dead_letter(out if isinstance(out, BaseException) else RuntimeError(str(out)), rec)
+        self.stats.dead_letter(out)
         self.publisher.submit([dead_letter_output(tp, rec.offset, epoch, self.settings.dead_letter_topic, out,
                                                   self.output_limits.dead_letter_bytes)])
 
@@ -445,6 +462,7 @@ class WorkerService:
             except Exception as exc:
                 err = ContractError(ErrorCode.INTERNAL_ERROR, "$", f"{type(exc).__name__}: {exc}"[:1000])
         dl = job.dead_letter(err, s.worker_id)
+        self.stats.dead_letter(dl)
         return dead_letter_output(job.tp, job.offset, job.epoch, s.dead_letter_topic, dl,
                                   self.output_limits.dead_letter_bytes)
 
@@ -514,7 +532,7 @@ class WorkerService:
         self.batcher.close()
         self.publisher.close()
         for t in tasks:
-            if t.get_name() in ("monitor", "batch", "fetch") or left:
+            if t.get_name() in ("monitor", "stats", "batch", "fetch") or left:
                 t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         return code

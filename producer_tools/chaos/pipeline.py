@@ -229,7 +229,7 @@ class Pipeline:
                           for r in read_lake(str(self.lake), t, columns=["request_id"], dedupe=True).to_pylist())
         f.duplicated_after_dedup = sum(c - 1 for c in deduped.values() if c > 1)
         rep = audit_run(self.run_id, str(self.lake), runs_dir=str(self.runs))
-        f.extra["audit"] = ("COMPLETE" if rep.complete else "INCOMPLETE") + \
+        f.extra["audit"] = rep.verdict + \
             f" (missing {len(rep.missing)}, failed {len(rep.failed)}, redelivered {len(rep.duplicated)})"
         if set(rep.missing) != lost:
             f.failures.append(f"audit's missing ({len(rep.missing)}) differs from the lake's ({len(lost)})")

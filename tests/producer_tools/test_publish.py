@@ -5,8 +5,11 @@ import pytest
 import schemas as S
 from producer_tools import publish as P
 from producer_tools.common import ToolError
+from producer_tools.run_manifest import RunManifest
 from worker.scenes import generate_scene
 from worker.scenes.request import scene_item
+
+from tests.producer_tools.sink_harness import KAFKA
 
 
 @pytest.mark.parametrize("task", S.TASKS)
@@ -51,3 +54,22 @@ def test_plan_requests_mixes(scene):
     assert len(allp) == 6 and allp[:2] == [(items[0].scene_id, "trajectory"), (items[0].scene_id, "vqa")]
     rr = [t for _, t in P.plan_requests(items, ["trajectory", "vqa"], "round-robin")]
     assert rr == ["trajectory", "vqa", "trajectory"]
+
+
+def test_planned_total_counts_each_scenes_own_tasks():
+    assert P.planned_total([None] * 4, ["trajectory", "vqa"]) == 8
+    assert P.planned_total([None] * 4, ["trajectory", "vqa"], "round-robin") == 4
+    assert P.planned_total([None, ["vqa", "grounding", "trajectory"]], ["trajectory"]) == 4
+
+
+async def test_a_resume_with_other_tasks_or_k_is_refused(tmp_path, scene):
+    m = RunManifest.for_run(tmp_path, "run-r")
+    m.open({"run_id": "run-r", "tasks": ["trajectory"], "k": 1}, planned=5)
+    m.close()
+    assert RunManifest.for_run(tmp_path, "run-r").planned == 5
+    for tasks, k in ((["trajectory"], 2), (["vqa"], 1)):
+        opts = P.PublishOptions(tasks=tasks, k=k, temperature=0.6, run_id="run-r", runs_dir=str(tmp_path),
+                                progress=False)
+        with pytest.raises(ToolError, match=r"run run-r was created with --tasks trajectory --k 1, not") as err:
+            await P.publish(KAFKA, [scene_item(scene)], opts)
+        assert "\n" not in str(err.value)

@@ -280,14 +280,15 @@ async def test_mixed_run_through_worker_sink_and_audit_is_complete(kafka_bootstr
         opts = P.PublishOptions(tasks=list(S.TASKS), mix="all", run_id=run_id, runs_dir=str(runs), max_tokens=4,
                                 object_store=f"file://{store}", claim_check_threshold=20_000, progress=False)
         _, items = iter_synthetic(n_scenes, seed=40)
-        s1 = await P.publish(kafka, items, opts)
+        s1 = await P.publish(kafka, items, opts, total_scenes=n_scenes)
         assert s1["published"] == n_scenes * 5 and 0 < s1["claim_checked"] < s1["published"]
-        # one request of the same run the deployment cannot serve (K=2, served K is 1) -> dead letter
+        # a run of one request the deployment cannot serve (K=2, served K is 1) -> dead letter
+        bad_run = f"{run_id}-k2"
         _, items = iter_synthetic(1, seed=40)
         s2 = await P.publish(kafka, items, P.PublishOptions(tasks=["trajectory"], k=2, temperature=0.6,
-                                                            run_id=run_id, runs_dir=str(runs), progress=False))
-        assert s2["published"] == 1 and s2["resumed"]
-        bad_id = P.request_id_for(run_id, "synth-00000040", "trajectory", 2)
+                                                            run_id=bad_run, runs_dir=str(runs), progress=False))
+        assert s2["published"] == 1
+        bad_id = P.request_id_for(bad_run, "synth-00000040", "trajectory", 2)
         await _wait_ready(f"http://127.0.0.1:{port}", worker, log)
 
         lake = tmp_path / "lake"
@@ -299,26 +300,27 @@ async def test_mixed_run_through_worker_sink_and_audit_is_complete(kafka_bootstr
             p = _cli(*sink_args)
             out, err = p.communicate(timeout=180)
             assert p.returncode == 0, err.decode()[-3000:]
-            rep = audit_run(run_id, str(lake), runs_dir=str(runs))
-            if rep.complete:
+            rep, bad = (audit_run(r, str(lake), runs_dir=str(runs)) for r in (run_id, bad_run))
+            if "INCOMPLETE" not in (rep.verdict, bad.verdict):
                 break
             assert worker.poll() is None, f"worker died:\n{log.read_text()[-4000:]}"
             assert time.monotonic() < deadline, f"run incomplete: {rep.missing}\n{log.read_text()[-3000:]}"
-        assert rep.published == n_scenes * 5 + 1 and rep.landed == rep.published
-        assert rep.failed == [bad_id] and rep.failed_codes == {"k_not_served": 1}
-        assert rep.lake_duplicates == [] and rep.duplicated == {} and rep.unexpected == []
-        assert main(["audit", run_id, "--lake", str(lake), "--runs-dir", str(runs)]) == 0
+        assert rep.published == rep.planned == n_scenes * 5 and rep.landed == rep.published
+        assert rep.lake_duplicates == [] and rep.duplicated == {} and rep.unexpected == [] and rep.failed == []
+        assert bad.failed == [bad_id] and bad.failed_codes == {"k_not_served": 1}
+        assert main(["audit", run_id, "--lake", str(lake), "--runs-dir", str(runs)]) == 0       # COMPLETE
+        assert main(["audit", bad_run, "--lake", str(lake), "--runs-dir", str(runs)]) == 1      # FAILED
         results = LK.read_lake(lake, "results", run_id=run_id)
         assert sorted(set(results.column("task").to_pylist())) == sorted(S.TASKS)
         traj = [r for r in results.to_pylist() if r["task"] == "trajectory"]
         assert all(len(r["pred_trajectories"]) == 1 and len(r["pred_trajectories"][0]) == 64 for r in traj)
         assert all(r["worker_id"] == "w-e2e" and r["request_topic"] == req_t for r in results.to_pylist())
-        dls = LK.read_lake(lake, "dead_letters", run_id=run_id).to_pylist()
+        dls = LK.read_lake(lake, "dead_letters", run_id=bad_run).to_pylist()
         assert [(d["request_id"], d["error_code"], d["error_field"]) for d in dls] == \
             [(bad_id, "k_not_served", "$.num_traj_samples")]
 
         # dlq replay (to a side topic): the ORIGINAL bytes, original key, lineage headers
-        p = _cli("dlq", "replay", "--lake", str(lake), "--code", "k_not_served", "--run-id", run_id,
+        p = _cli("dlq", "replay", "--lake", str(lake), "--code", "k_not_served", "--run-id", bad_run,
                  "--to-topic", replay_t, "--runs-dir", str(runs), "--bootstrap-servers", kafka_bootstrap)
         out, err = p.communicate(timeout=60)
         assert p.returncode == 0, err.decode()[-3000:]

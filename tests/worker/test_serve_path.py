@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -91,3 +92,20 @@ def test_a_refusal_of_any_subclass_exits_2_and_other_load_failures_exit_1(capfd,
     assert _serve_with_loader(refuse, monkeypatch) == EXIT_REFUSED
     assert capfd.readouterr().err.strip().splitlines() == ["the licence file is missing: set LICENCE"]
     assert _serve_with_loader(crash, monkeypatch) == EXIT_FAILED
+
+
+def test_a_side_port_in_use_refuses_in_one_line(capfd):
+    """A second worker on the same ALPAMAYO_HTTP_PORT: exit 2 at once, one line naming the variable."""
+    loaded = []
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        settings = Settings(bootstrap_servers="127.0.0.1:1", http_host="127.0.0.1", http_port=port, worker_id="t")
+        service = WorkerService(settings, _Engine(), engine_loader=lambda e, s: loaded.append(1),
+                                install_signal_handlers=False)
+        t0 = time.monotonic()
+        assert asyncio.run(asyncio.wait_for(service.run(), 15)) == EXIT_REFUSED
+    assert time.monotonic() - t0 < 15 and loaded == []
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ALPAMAYO_HTTP_PORT" in err[0] and str(port) in err[0], err

@@ -1,7 +1,8 @@
 """The worker against a real Apache Kafka (the conftest's local KRaft broker), end to end: mixed
 requests (5 tasks, K in {1,2,3}, claim check, 7 kinds of invalid) on the dflash2 profile: one
-result or dead letter each, shapes, the speculative block, /v1/models, and the metrics (spec
-counters at 0 first, then equal to the results' sums; lag back to 0).
+result or dead letter each, shapes, the speculative block, /v1/models, the metrics (spec
+counters at 0 first, then equal to the results' sums; lag back to 0) and the stats lines and
+dead-letter warnings in the log (worker.stats).
 
 The run is in-process (:class:`worker.process.WorkerThread`): the seed's startup rule refuses a
 custom head together with ``NIM_FT_CHECKPOINT`` (our random checkpoint), so the test builds the
@@ -14,6 +15,8 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import logging
+import re
 import time
 from collections import defaultdict
 
@@ -31,8 +34,10 @@ pytestmark = pytest.mark.kafka
 
 
 async def test_mixed_requests_one_answer_each_with_shapes_speculative_block_and_metrics(
-        kafka_bootstrap, topic_factory, tiny, scene, tmp_path):
+        kafka_bootstrap, topic_factory, tiny, scene, tmp_path, caplog):
     from worker.process import WorkerThread
+
+    caplog.set_level(logging.INFO, logger="alpamayo.worker.stats")
 
     ckpt, head = tiny
     req_t, res_t, dl_t = await topic_factory(2, prefix="req"), await topic_factory(2, prefix="res"), \
@@ -43,7 +48,8 @@ async def test_mixed_requests_one_answer_each_with_shapes_speculative_block_and_
     env = worker_env(kafka_bootstrap, req_t, res_t, dl_t, "g-mixed", "w-mixed", port, ckpt,
                      NIM_MODEL_PROFILE="bf16-dflash2", NIM_ALPAMAYO_TRAJ_SAMPLES="1,2,3",
                      NIM_ALPAMAYO_SPEC_METRICS="summary", ALPAMAYO_MAX_BATCH_SIZE="4",
-                     ALPAMAYO_MAX_BATCH_WAIT_MS="200", ALPAMAYO_CLAIM_CHECK_ROOTS=f"file://{store}/")
+                     ALPAMAYO_MAX_BATCH_WAIT_MS="200", ALPAMAYO_CLAIM_CHECK_ROOTS=f"file://{store}/",
+                     ALPAMAYO_STATS_INTERVAL_S="1")
     settings = dataclasses.replace(load_settings(env), speculative_model=head)   # head + FT ckpt: see module doc
     w = WorkerThread(settings).start()
     try:
@@ -177,6 +183,19 @@ async def test_mixed_requests_one_answer_each_with_shapes_speculative_block_and_
         assert sum(m("alpamayo_batch_size_sum").values()) == len(valid)
         assert m("alpamayo_stage_latency_seconds_count")[L(stage="total", task="trajectory")] == 5
         assert m("alpamayo_gpu_memory_bytes") == {(): 0.0} and m("alpamayo_queue_depth") == {(): 0.0}
+
+        # -- the log: stats lines whose dead letters add up, one warning per dead-letter code ----
+        def logged(prefix):
+            return [r.getMessage() for r in caplog.records if r.name == "alpamayo.worker.stats"
+                    and r.getMessage().startswith(prefix)]
+        deadline = time.monotonic() + 5
+        while sum(int(re.search(r"dead letters (\d+)", x)[1]) for x in logged("stats: ")) < 7 \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert sum(int(re.search(r"dead letters (\d+)", x)[1]) for x in logged("stats: ")) == 7, logged("stats: ")
+        assert any("results/s" in x and "acceptance rate" in x for x in logged("stats: ")), logged("stats: ")
+        assert sorted(x.split()[2] for x in logged("dead letter ")) == sorted(
+            [v[1][0] for v in invalid.values()] + ["undecodable_bytes"])
     finally:
         code = await asyncio.to_thread(w.stop, 90)
     assert code == 0
