@@ -52,6 +52,7 @@ class CalibrationOptions:
     image_size: tuple[int, int] = (64, 64)
     progress: bool = True
     cache_root: str | None = None
+    trajectory_max_new: int | None = None   # reasoning cap (None: the release's 256)
 
 
 def _ranks(x: np.ndarray) -> np.ndarray:
@@ -131,6 +132,8 @@ def calibrate(opts: CalibrationOptions) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     ckpt = _checkpoint(opts)
     rt = AlpamayoRuntime.load(ckpt, device=opts.device)
+    if opts.trajectory_max_new is not None:
+        rt.trajectory_max_new = int(opts.trajectory_max_new)
     seeds = [CALIBRATION_SEED0 + opts.seed + i for i in range(opts.scenes)]
     scenes = [generate_scene(s, opts.image_size) for s in seeds]
     per_k: dict[int, list[dict[str, Any]]] = {}

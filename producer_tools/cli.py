@@ -15,10 +15,12 @@ Kafka connection and topic names come from the worker's environment variables
     alpamayo-producer audit RUN_ID --lake lake/
     alpamayo-producer dlq replay --lake lake/ --code inference_failed --run-id RUN_ID
     alpamayo-producer qualify --out qual/ [--checkpoint DIR --head DIR]
+    alpamayo-producer qualify --uncertainty --scenes 64 --out qual/
     alpamayo-producer report --lake lake/ --out report/
+    alpamayo-producer review --lake lake/ --run-id RUN_ID --out review/
 
-Exit status: 0 success, 1 audit found missing requests, 2 usage/configuration/Kafka errors,
-130 interrupted.
+Exit status: 0 success, 1 audit found missing requests or qualify --uncertainty missed its bar,
+2 usage/configuration/Kafka errors, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -219,12 +221,26 @@ def build_parser() -> argparse.ArgumentParser:
                     help="metres within which the profiles' trajectories agree (default 0.05)")
     qp.add_argument("--cache-root", help="where demo checkpoint/head are cached (default ALPAMAYO_CACHE)")
     qp.add_argument("--no-progress", action="store_true")
+    qp.add_argument("--uncertainty", action="store_true",
+                    help="instead: calibrate the results' uncertainty against minADE on held-out synthetic scenes "
+                         "(AUROC for minADE > 2 m, Spearman) at each of --ks")
+    qp.add_argument("--ks", type=lambda t: [int(x) for x in t.split(",")], default=[3, 6],
+                    help="with --uncertainty: K values (default 3,6)")
 
     # -- report ------------------------------------------------------------------------------
     rp = sub.add_parser("report", help="summary and plots over a lake")
     rp.add_argument("--lake", required=True)
     rp.add_argument("--out", default="report")
     rp.add_argument("--run-id")
+
+    # -- review ------------------------------------------------------------------------------
+    vp = sub.add_parser("review", help="a run's doubtful results (uncertainty at or above a threshold) and their plots")
+    vp.add_argument("--lake", required=True)
+    vp.add_argument("--run-id")
+    vp.add_argument("--out", default="review", help="folder for the plots, review.md and review.json")
+    vp.add_argument("--threshold", type=float, help="default ALPAMAYO_REVIEW_THRESHOLD (0.5)")
+    vp.add_argument("--scenes-dir", help="scene files with the ground truth (synthetic scenes are regenerated)")
+    vp.add_argument("--limit", type=int, help="plot at most this many (most doubtful first)")
 
     # -- scenes ------------------------------------------------------------------------------
     sc = sub.add_parser("scenes", help="write synthetic scene files (a source for publish --scenes-dir)")
@@ -348,6 +364,8 @@ def cmd_dlq(args) -> int:
 
 
 def cmd_qualify(args) -> int:
+    if args.uncertainty:
+        return _qualify_uncertainty(args)
     from producer_tools.qualify import QualifyOptions, qualify
 
     opts = QualifyOptions(
@@ -363,6 +381,29 @@ def cmd_qualify(args) -> int:
     print(f"report: {s['markdown']}")
     for k, v in s["plots"].items():
         print(f"{k}: {v}")
+    return 0
+
+
+def _qualify_uncertainty(args) -> int:
+    from producer_tools.calibration import CalibrationOptions, calibrate
+
+    s = calibrate(CalibrationOptions(out=args.out, checkpoint=args.checkpoint, device=args.device, scenes=args.scenes,
+                                     seed=args.seed, ks=args.ks, image_size=args.image_size,
+                                     progress=not args.no_progress, cache_root=args.cache_root,
+                                     trajectory_max_new=args.trajectory_max_new))
+    print(s["table"])
+    print()
+    print(f"report: {s['markdown']}")
+    return 1 if any(r["meets_bar"] is False for r in s["per_k"]) else 0
+
+
+def cmd_review(args) -> int:
+    from producer_tools.review import review_run
+
+    s = review_run(args.lake, args.out, run_id=args.run_id, threshold=args.threshold, scenes_dir=args.scenes_dir,
+                   limit=args.limit)
+    print(f"{s['doubtful']} doubtful results (uncertainty >= {s['threshold']:g}); plots in {args.out}")
+    print(s["table"])
     return 0
 
 
@@ -383,7 +424,7 @@ def cmd_scenes(args) -> int:
 
 
 COMMANDS = {"topics": cmd_topics, "publish": cmd_publish, "sink": cmd_sink, "audit": cmd_audit, "dlq": cmd_dlq,
-            "qualify": cmd_qualify, "report": cmd_report, "scenes": cmd_scenes}
+            "qualify": cmd_qualify, "report": cmd_report, "review": cmd_review, "scenes": cmd_scenes}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
