@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     qp.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="bf16 vs bf16-dflash2, or fp8")
     qp.add_argument("--device", choices=("cuda", "cpu"))
     qp.add_argument("--fp32", action="store_true", help="compute in fp32")
-    qp.add_argument("--scenes", type=int, default=8, help="scenes per task (default 8)")
+    qp.add_argument("--scenes", type=int, help="scenes per task (default 8; with --uncertainty 64)")
     qp.add_argument("--seed", type=int, default=0)
     qp.add_argument("--scenes-dir")
     qp.add_argument("--image-size", type=_size2, default=(64, 64))
@@ -370,7 +370,7 @@ def cmd_qualify(args) -> int:
 
     opts = QualifyOptions(
         out=args.out, checkpoint=args.checkpoint, head=args.head, random_head=args.random_head,
-        precision=args.precision, device=args.device, fp32=args.fp32, scenes=args.scenes, seed=args.seed,
+        precision=args.precision, device=args.device, fp32=args.fp32, scenes=args.scenes or QualifyOptions.scenes, seed=args.seed,
         scenes_dir=args.scenes_dir, image_size=args.image_size, tasks=args.tasks, repeats=args.repeats, k=args.k,
         temperature=args.temperature, max_tokens=args.max_tokens, trajectory_max_new=args.trajectory_max_new,
         trajectory_atol=args.trajectory_atol,
@@ -387,7 +387,8 @@ def cmd_qualify(args) -> int:
 def _qualify_uncertainty(args) -> int:
     from producer_tools.calibration import CalibrationOptions, calibrate
 
-    s = calibrate(CalibrationOptions(out=args.out, checkpoint=args.checkpoint, device=args.device, scenes=args.scenes,
+    s = calibrate(CalibrationOptions(out=args.out, checkpoint=args.checkpoint, device=args.device,
+                                     scenes=args.scenes or CalibrationOptions.scenes,
                                      seed=args.seed, ks=args.ks, image_size=args.image_size,
                                      progress=not args.no_progress, cache_root=args.cache_root,
                                      trajectory_max_new=args.trajectory_max_new))
