@@ -370,7 +370,8 @@ def cmd_qualify(args) -> int:
 
     opts = QualifyOptions(
         out=args.out, checkpoint=args.checkpoint, head=args.head, random_head=args.random_head,
-        precision=args.precision, device=args.device, fp32=args.fp32, scenes=args.scenes or QualifyOptions.scenes, seed=args.seed,
+        precision=args.precision, device=args.device, fp32=args.fp32, scenes=args.scenes or QualifyOptions.scenes,
+        seed=args.seed,
         scenes_dir=args.scenes_dir, image_size=args.image_size, tasks=args.tasks, repeats=args.repeats, k=args.k,
         temperature=args.temperature, max_tokens=args.max_tokens, trajectory_max_new=args.trajectory_max_new,
         trajectory_atol=args.trajectory_atol,

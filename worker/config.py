@@ -205,7 +205,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     if env.get("ALPAMAYO_REVIEW_THRESHOLD") and not env.get("ALPAMAYO_REVIEW_TOPIC"):
         raise ConfigError("ALPAMAYO_REVIEW_THRESHOLD is set but ALPAMAYO_REVIEW_TOPIC is not: set the review topic "
                           "(e.g. ALPAMAYO_REVIEW_TOPIC=alpamayo.review) or unset the threshold")
-    for t in ("ALPAMAYO_REQUEST_TOPIC", "ALPAMAYO_RESULT_TOPIC", "ALPAMAYO_DEAD_LETTER_TOPIC", "ALPAMAYO_REVIEW_TOPIC"):
+    for t in ("ALPAMAYO_REQUEST_TOPIC", "ALPAMAYO_RESULT_TOPIC", "ALPAMAYO_DEAD_LETTER_TOPIC",
+              "ALPAMAYO_REVIEW_TOPIC"):
         v = env.get(t)
         if v is not None and not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", v):
             raise ConfigError(f"{t}={v!r} is not a valid Kafka topic name: use letters, digits, '.', '_' and '-'")

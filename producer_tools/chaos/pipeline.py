@@ -82,8 +82,8 @@ class Pipeline:
         await create_topics(self.broker, self.topics, self.replication_factor)
         if self.review_threshold is not None:
             review = await create_review_topic(self.broker, self.topics, self.replication_factor)
-            self.worker_extra.update(ALPAMAYO_REVIEW_TOPIC=review, ALPAMAYO_REVIEW_THRESHOLD=str(self.review_threshold),
-                                     NIM_ALPAMAYO_TRAJ_SAMPLES=str(self.k))
+            self.worker_extra.update(ALPAMAYO_REVIEW_TOPIC=review, NIM_ALPAMAYO_TRAJ_SAMPLES=str(self.k),
+                                     ALPAMAYO_REVIEW_THRESHOLD=str(self.review_threshold))
         ckpt = self.checkpoint or await asyncio.to_thread(tiny_checkpoint)
         self.worker = make_worker(self.broker, self.topics, self.work, checkpoint=ckpt, group=self.group,
                                   guarantee=self.guarantee, reasoning_tokens=self.reasoning_tokens,
@@ -137,7 +137,8 @@ class Pipeline:
         """Scenes ``start..stop-1`` as trajectory requests of this run (the publish tool; its run
         manifest is what ``audit`` reconciles)."""
         kafka = self.broker.options(self.topics.req, self.topics.res, self.topics.dl)
-        opts = P.PublishOptions(tasks=["trajectory"], k=self.k, run_id=self.run_id, runs_dir=str(self.runs), progress=False,
+        opts = P.PublishOptions(tasks=["trajectory"], k=self.k, run_id=self.run_id, runs_dir=str(self.runs),
+                                progress=False,
                                 rate=rate, max_inflight=256, source=f"chaos:{self.fig.scenario}")
         summary = await P.publish(kafka, self.items(start, stop), opts)
         self.published += summary["published"]
