@@ -17,10 +17,13 @@ waits up to ``ALPAMAYO_KAFKA_WAIT_S`` (default 5) for a broker, then stops with 
     alpamayo-producer dlq list --lake lake/
     alpamayo-producer dlq replay --lake lake/ --code inference_failed --run-id RUN_ID
     alpamayo-producer qualify --out qual/ [--checkpoint DIR --head DIR]
+    alpamayo-producer qualify --uncertainty --scenes 64 --out qual/
     alpamayo-producer report --lake lake/ --out report/
+    alpamayo-producer review --lake lake/ --run-id RUN_ID --out review/
 
 Exit status: 0 success; audit: 0 COMPLETE, 1 FAILED (requests dead-lettered), 3 INCOMPLETE (requests
-not landed yet); 2 usage/configuration/Kafka errors; 130 interrupted.
+not landed yet); qualify --uncertainty: 1 when it missed its bar; 2 usage/configuration/Kafka errors;
+130 interrupted.
 """
 
 from __future__ import annotations
@@ -246,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     qp.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="bf16 vs bf16-dflash2, or fp8")
     qp.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
     qp.add_argument("--fp32", action="store_true", help="compute in fp32")
-    qp.add_argument("--scenes", type=int, default=8, help="scenes per task (default 8)")
+    qp.add_argument("--scenes", type=int, help="scenes per task (default 8; with --uncertainty 64)")
     qp.add_argument("--seed", type=int, default=0, help="first synthetic scene seed (default 0)")
     qp.add_argument("--scenes-dir", help="scene files instead of synthetic scenes")
     qp.add_argument("--image-size", type=_size2, default=(64, 64), help="synthetic image WxH (default 64x64)")
@@ -260,6 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="metres within which the profiles' trajectories agree (default 0.05)")
     qp.add_argument("--cache-root", help="where demo checkpoint/head are cached (default ALPAMAYO_CACHE)")
     qp.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    qp.add_argument("--uncertainty", action="store_true",
+                    help="instead: calibrate the results' uncertainty against minADE on held-out synthetic scenes "
+                         "(AUROC for minADE > 2 m, Spearman) at each of --ks")
+    qp.add_argument("--ks", type=lambda t: [int(x) for x in t.split(",")], default=[3, 6],
+                    help="with --uncertainty: K values (default 3,6)")
 
     # -- report ------------------------------------------------------------------------------
     rp = _command(sub, "report", "summary and plots over a lake", "report --lake lake/ --out report/",
@@ -267,6 +275,16 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--lake", required=True, help="lake root directory (as for sink)")
     rp.add_argument("--out", default="report", help="output directory (default ./report)")
     rp.add_argument("--run-id", help="one run only (default: every run in the lake)")
+
+    # -- review ------------------------------------------------------------------------------
+    vp = _command(sub, "review", "a run's doubtful results (uncertainty at or above a threshold) and their plots",
+                  "review --lake lake/ --run-id demo-1 --out review/", "review --lake lake/ --threshold 0.7 --limit 10")
+    vp.add_argument("--lake", required=True, help="the lake the sink wrote")
+    vp.add_argument("--run-id", help="only this run (default: every run in the lake)")
+    vp.add_argument("--out", default="review", help="folder for the plots, review.md and review.json")
+    vp.add_argument("--threshold", type=float, help="default ALPAMAYO_REVIEW_THRESHOLD (0.5)")
+    vp.add_argument("--scenes-dir", help="scene files with the ground truth (synthetic scenes are regenerated)")
+    vp.add_argument("--limit", type=int, help="plot at most this many (most doubtful first)")
 
     # -- scenes ------------------------------------------------------------------------------
     sc = _command(sub, "scenes", "write synthetic scene files (a source for publish --scenes-dir)",
@@ -416,11 +434,14 @@ def cmd_dlq(args) -> int:
 
 
 def cmd_qualify(args) -> int:
+    if args.uncertainty:
+        return _qualify_uncertainty(args)
     from producer_tools.qualify import QualifyOptions, qualify
 
     opts = QualifyOptions(
         out=args.out, checkpoint=args.checkpoint, head=args.head, random_head=args.random_head,
-        precision=args.precision, device=args.device, fp32=args.fp32, scenes=args.scenes, seed=args.seed,
+        precision=args.precision, device=args.device, fp32=args.fp32, scenes=args.scenes or QualifyOptions.scenes,
+        seed=args.seed,
         scenes_dir=args.scenes_dir, image_size=args.image_size, tasks=args.tasks, repeats=args.repeats, k=args.k,
         temperature=args.temperature, max_tokens=args.max_tokens, trajectory_max_new=args.trajectory_max_new,
         trajectory_atol=args.trajectory_atol,
@@ -431,6 +452,30 @@ def cmd_qualify(args) -> int:
     print(f"report: {s['markdown']}")
     for k, v in s["plots"].items():
         print(f"{k}: {v}")
+    return 0
+
+
+def _qualify_uncertainty(args) -> int:
+    from producer_tools.calibration import CalibrationOptions, calibrate
+
+    s = calibrate(CalibrationOptions(out=args.out, checkpoint=args.checkpoint, device=args.device,
+                                     scenes=args.scenes or CalibrationOptions.scenes,
+                                     seed=args.seed, ks=args.ks, image_size=args.image_size,
+                                     progress=not args.no_progress, cache_root=args.cache_root,
+                                     trajectory_max_new=args.trajectory_max_new))
+    print(s["table"])
+    print()
+    print(f"report: {s['markdown']}")
+    return 1 if any(r["meets_bar"] is False for r in s["per_k"]) else 0
+
+
+def cmd_review(args) -> int:
+    from producer_tools.review import review_run
+
+    s = review_run(args.lake, args.out, run_id=args.run_id, threshold=args.threshold, scenes_dir=args.scenes_dir,
+                   limit=args.limit)
+    print(f"{s['doubtful']} doubtful results (uncertainty >= {s['threshold']:g}); plots in {args.out}")
+    print(s["table"])
     return 0
 
 
@@ -451,7 +496,7 @@ def cmd_scenes(args) -> int:
 
 
 COMMANDS = {"topics": cmd_topics, "publish": cmd_publish, "sink": cmd_sink, "audit": cmd_audit, "dlq": cmd_dlq,
-            "qualify": cmd_qualify, "report": cmd_report, "scenes": cmd_scenes}
+            "qualify": cmd_qualify, "report": cmd_report, "review": cmd_review, "scenes": cmd_scenes}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

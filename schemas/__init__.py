@@ -84,6 +84,7 @@ from .result import (
     SampleOutput,
     SpeculativeDecoding,
     StageTimings,
+    Uncertainty,
 )
 
 __all__ = [
@@ -99,7 +100,7 @@ __all__ = [
     "verify_claim_check",
     # result
     "SpeculativeDecoding", "StageTimings", "ResultMetrics", "MetaAction", "AutoLabel",
-    "GroundingBox", "SampleOutput", "ModelIdentity", "Lineage", "InferResult",
+    "GroundingBox", "SampleOutput", "ModelIdentity", "Lineage", "Uncertainty", "InferResult",
     # dead letter
     "SourceCoordinates", "DeadLetter", "dead_letter_from_error", "dead_letter_key", "normalize_headers",
     "TRUNCATION_HEADER", "HEADER_REPLAY_OF", "HEADER_ATTEMPT",

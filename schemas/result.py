@@ -24,10 +24,13 @@ __all__ = [
     "SampleOutput",
     "ModelIdentity",
     "Lineage",
+    "Uncertainty",
     "InferResult",
 ]
 
 _NonNegInt = Annotated[int, Meta(ge=0)]
+_Fraction = Annotated[float, Meta(ge=0.0, le=1.0)]
+_Metres = Annotated[float, Meta(ge=0.0)]
 
 
 class SpeculativeDecoding(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
@@ -144,6 +147,25 @@ class Lineage(msgspec.Struct, kw_only=True, frozen=True):
     ] = None
 
 
+class Uncertainty(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """How much the K samples of one result disagree (results with K >= 2 only; formula and
+    components: worker/uncertainty.py). Components the task does not produce are omitted."""
+
+    uncertainty: Annotated[_Fraction, Meta(description=(
+        "0 = the samples agree, towards 1 = they disagree (the components combined; docs/contract.md)."))]
+    trajectory_spread_m: Annotated[_Metres | None, Meta(description=(
+        "Mean over sample pairs of their ADE (x/y, 64 waypoints), metres; trajectory results."))] = None
+    endpoint_spread_m: Annotated[_Metres | None, Meta(description=(
+        "Mean over sample pairs of the distance of their 6.4 s endpoints (x/y), metres; trajectory results."))] = None
+    lateral_spread_m: Annotated[_Metres | None, Meta(description=(
+        "Mean over sample pairs and waypoints of their sideways (y, ego frame at t0) distance, metres; "
+        "trajectory results."))] = None
+    meta_action_agreement: Annotated[_Fraction | None, Meta(description=(
+        "Mean over longitudinal/lateral/lane of the share of sample pairs with the same value; meta_action."))] = None
+    auto_label_agreement: Annotated[_Fraction | None, Meta(description=(
+        "Mean over the four auto-label fields of the sample pairs' word-set Jaccard similarity; auto_labeling."))] = None
+
+
 class InferResult(msgspec.Struct, kw_only=True, frozen=True):
     """One result, keyed by ``request_id`` on the results topic."""
 
@@ -168,3 +190,7 @@ class InferResult(msgspec.Struct, kw_only=True, frozen=True):
     model: Annotated[ModelIdentity, Meta(description="Model/profile that produced the result.")]
     lineage: Annotated[Lineage | None, Meta(description="Source coordinates and worker.")] = None
     completed_at: Annotated[float, Meta(description="Unix seconds when the result was produced.")]
+    uncertainty: Annotated[
+        Uncertainty | None,
+        Meta(description="Disagreement of the K samples; null for K = 1 and for vqa/grounding results."),
+    ] = None

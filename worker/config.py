@@ -61,6 +61,8 @@ class Settings:
     sasl_password: str | None = field(default=None, repr=False)
     ssl_cafile: Path | None = None
     processing_guarantee: str = "at_least_once"
+    review_topic: str | None = None             # results at or above review_threshold are also published here
+    review_threshold: float = 0.5
     # --- batching, limits, process
     max_batch_size: int = 8
     max_batch_wait_ms: int = 20
@@ -202,7 +204,13 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     stats_interval = _float(env, "ALPAMAYO_STATS_INTERVAL_S", 10.0, 0.0, 86400.0,
                             "is not a number of seconds (0 to 86400), e.g. ALPAMAYO_STATS_INTERVAL_S=10 "
                             "(0 turns the stats line off)")
-    for t in ("ALPAMAYO_REQUEST_TOPIC", "ALPAMAYO_RESULT_TOPIC", "ALPAMAYO_DEAD_LETTER_TOPIC"):
+    review_threshold = _float(env, "ALPAMAYO_REVIEW_THRESHOLD", 0.5, 0.0, 1.0,
+                              "is not an uncertainty: use a number in [0, 1], e.g. ALPAMAYO_REVIEW_THRESHOLD=0.5")
+    if env.get("ALPAMAYO_REVIEW_THRESHOLD") and not env.get("ALPAMAYO_REVIEW_TOPIC"):
+        raise ConfigError("ALPAMAYO_REVIEW_THRESHOLD is set but ALPAMAYO_REVIEW_TOPIC is not: set the review topic "
+                          "(e.g. ALPAMAYO_REVIEW_TOPIC=alpamayo.review) or unset the threshold")
+    for t in ("ALPAMAYO_REQUEST_TOPIC", "ALPAMAYO_RESULT_TOPIC", "ALPAMAYO_DEAD_LETTER_TOPIC",
+              "ALPAMAYO_REVIEW_TOPIC"):
         v = env.get(t)
         if v is not None and not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", v):
             raise ConfigError(f"{t}={v!r} is not a valid Kafka topic name: use letters, digits, '.', '_' and '-'")
@@ -226,6 +234,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         sasl_password=password,
         ssl_cafile=cafile,
         processing_guarantee=guarantee,
+        review_topic=env.get("ALPAMAYO_REVIEW_TOPIC") or None,
+        review_threshold=review_threshold,
         max_batch_size=_int(env, "ALPAMAYO_MAX_BATCH_SIZE", 8, 1, 256),
         max_batch_wait_ms=_int(env, "ALPAMAYO_MAX_BATCH_WAIT_MS", 20, 0, 60_000),
         max_inflight=_int(env, "ALPAMAYO_MAX_INFLIGHT", 64, 1, 100_000),
@@ -260,6 +270,9 @@ VARIABLES: dict[str, str] = {
     "ALPAMAYO_REQUEST_TOPIC": "scene jobs (default alpamayo.requests)",
     "ALPAMAYO_RESULT_TOPIC": "results, keyed by request_id (default alpamayo.results)",
     "ALPAMAYO_DEAD_LETTER_TOPIC": "dead letters (default alpamayo.dead-letters)",
+    "ALPAMAYO_REVIEW_TOPIC": "optional: results whose uncertainty reaches ALPAMAYO_REVIEW_THRESHOLD are also "
+                             "published here, in the result's transaction (default unset: no review topic)",
+    "ALPAMAYO_REVIEW_THRESHOLD": "uncertainty in [0, 1] from which a result goes to the review topic (default 0.5)",
     "ALPAMAYO_GROUP_ID": "consumer group (default alpamayo-workers)",
     "ALPAMAYO_GROUP_INSTANCE_ID": "static group membership id (e.g. the pod name); default unset: dynamic membership",
     "ALPAMAYO_KAFKA_SECURITY_PROTOCOL": "PLAINTEXT (default) | SSL | SASL_PLAINTEXT | SASL_SSL",

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from schemas import (AutoLabel, GroundingBox, InferRequest, InferResult, Lineage, MetaAction, ModelIdentity,
-                     ResultMetrics, SampleOutput, SpeculativeDecoding, StageTimings)
+                     ResultMetrics, SampleOutput, SpeculativeDecoding, StageTimings, Uncertainty)
 from worker.config import Settings
 from worker.demo_cache import demo_checkpoint, demo_head
 from worker.dflash.head import check_head
@@ -24,6 +24,7 @@ from worker.model.checkpoint import validate_layout
 from worker.model import memory_plan
 from worker.model.memory_plan import MemoryPlan
 from worker.model.runtime import AlpamayoRuntime, SceneRequest, SceneResult
+from worker.uncertainty import uncertainty_block
 
 log = logging.getLogger("alpamayo.engine")
 MODEL_ID = "nvidia/alpamayo-2-super"
@@ -172,6 +173,8 @@ class Engine:
         reasoning = [o.cot if o.cot is not None else o.text for o in res.outputs]
         if any(not math.isfinite(v) for v in (queue_ms, total_ms)):
             raise ValueError("non-finite timing")
+        block = uncertainty_block(res.trajectories, [o.meta_action_fields for o in res.outputs],
+                                  [o.auto_label for o in res.outputs])
         return InferResult(
             request_id=req.request_id, run_id=req.run_id, task=req.task, labels=dict(req.labels),
             num_samples=len(res.outputs), pred_trajectories=trajectories, pred_rotations=rotations,
@@ -180,4 +183,5 @@ class Engine:
             metrics=ResultMetrics(reasoning_texts=reasoning, generated_tokens=list(res.generated_tokens),
                                   timings=timings, speculative_decoding=spec),
             warnings=list(warnings) + list(res.warnings) + [o.warning for o in res.outputs if o.warning],
-            model=self.identity, lineage=lineage, completed_at=time.time())
+            model=self.identity, lineage=lineage, completed_at=time.time(),
+            uncertainty=Uncertainty(**block) if block is not None else None)

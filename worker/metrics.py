@@ -22,6 +22,7 @@ STAGES = ("queue", "image_prep", "prefill", "decode", "diffusion", "total")
 SPEC_METHOD = "dflash2"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+_UNCERTAINTY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
 class WorkerMetrics:
@@ -54,6 +55,8 @@ class WorkerMetrics:
         self.gpu_memory = Gauge("alpamayo_gpu_memory_bytes", "GPU memory held by the process (0 on CPU)",
                                 registry=r)
         self.ready = Gauge("alpamayo_ready", "1 once loaded and warm", registry=r)
+        self.uncertainty = Histogram("alpamayo_result_uncertainty", "Uncertainty of results with K >= 2 samples",
+                                     ["task", "k"], buckets=_UNCERTAINTY_BUCKETS, registry=r)
         for t in TASKS:
             self.requests.labels(task=t)
             self.results.labels(task=t)
@@ -68,7 +71,7 @@ class WorkerMetrics:
         self.requests.labels(task=task).inc(n)
 
     def observe_result(self, result) -> None:
-        """A published InferResult: count, stage latencies, tokens, speculative counters."""
+        """A published InferResult: count, stage latencies, tokens, uncertainty, speculative counters."""
         task = result.task
         self.results.labels(task=task).inc()
         t = result.metrics.timings
@@ -77,6 +80,8 @@ class WorkerMetrics:
             if ms > 0 or stage in ("queue", "total"):
                 self.stage_latency.labels(stage=stage, task=task).observe(max(ms, 0.0) / 1000.0)
         self.reasoning_tokens.labels(task=task).inc(sum(result.metrics.generated_tokens))
+        if result.uncertainty is not None:
+            self.uncertainty.labels(task=task, k=str(result.num_samples)).observe(result.uncertainty.uncertainty)
         spec = result.metrics.speculative_decoding
         if self.spec_enabled and spec is not None and task == "trajectory":
             self.spec_draft.labels(method=SPEC_METHOD).inc(spec.num_draft_tokens)

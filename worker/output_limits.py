@@ -70,11 +70,11 @@ def producer_max_request_size(producer_kw: dict) -> int:
 
 
 async def read_output_limits(client_kw: dict, result_topic: str, dead_letter_topic: str,
-                             max_request_size: int) -> OutputLimits:
-    """``min(max.message.bytes of the topic, max_request_size)`` per output topic. A topic whose
-    config cannot be read (not created yet, no DescribeConfigs ACL) gets the broker default, with a
-    warning."""
-    topics = (result_topic, dead_letter_topic)
+                             max_request_size: int, review_topic: str | None = None) -> OutputLimits:
+    """``min(max.message.bytes of the topic, max_request_size)`` per output topic; a result must
+    also fit the review topic when there is one. A topic whose config cannot be read (not created
+    yet, no DescribeConfigs ACL) gets the broker default, with a warning."""
+    topics = (result_topic, dead_letter_topic) + ((review_topic,) if review_topic else ())
     found: dict[str, int] = {}
     admin = AIOKafkaAdminClient(**client_kw)
     try:
@@ -95,7 +95,9 @@ async def read_output_limits(client_kw: dict, result_topic: str, dead_letter_top
         if t not in found:
             log.warning("max.message.bytes of %s unknown: assuming the broker default %d", t,
                         BROKER_DEFAULT_MESSAGE_BYTES)
-    limits = OutputLimits(*(min(found.get(t, BROKER_DEFAULT_MESSAGE_BYTES), max_request_size) for t in topics))
+    limit = {t: min(found.get(t, BROKER_DEFAULT_MESSAGE_BYTES), max_request_size) for t in topics}
+    limits = OutputLimits(min(limit[result_topic], limit.get(review_topic, limit[result_topic])),
+                          limit[dead_letter_topic])
     log.info("output record limits: results %d bytes, dead letters %d bytes", limits.result_bytes,
              limits.dead_letter_bytes)
     return limits

@@ -31,6 +31,10 @@ Guarantees (:class:`Publisher`)
   re-process it and commit a second result). The price is head-of-line waiting within a
   partition; at_least_once publishes as soon as an output is ready.
 
+Review topic (``ALPAMAYO_REVIEW_TOPIC``): a result whose uncertainty reaches the threshold is also
+published there (same key, value and headers), in the same transaction (exactly_once) or the same
+acknowledged send batch before the offset commit (at_least_once) as the result itself.
+
 A send or transaction failure is fatal (:class:`PublishError`): the worker exits non-zero
 without committing, and the records are re-delivered to the restarted worker.
 """
@@ -77,14 +81,25 @@ class Output:
     result: InferResult | None = None
     error_code: str | None = None
     request_id: str | None = None
+    review_topic: str | None = None     # a doubtful result: the same record also goes here, with the result
+
+    @property
+    def topics(self) -> list[str]:
+        """Where the record is published: its topic, and the review topic when it has one."""
+        return [self.topic] if self.review_topic is None else [self.topic, self.review_topic]
 
 
-def result_output(tp: TP, offset: int, epoch: int, topic: str, result: InferResult, max_bytes: int) -> Output:
-    """Raises an ``oversize`` ContractError when the result's record exceeds ``max_bytes``."""
+def result_output(tp: TP, offset: int, epoch: int, topic: str, result: InferResult, max_bytes: int,
+                  review_topic: str | None = None, review_threshold: float = 1.0) -> Output:
+    """The result's output; also bound for ``review_topic`` when its uncertainty is at or above
+    ``review_threshold``. Raises an ``oversize`` ContractError when the result's record exceeds
+    ``max_bytes``."""
     value, headers = encode_result(result)
     key = result_key(result.request_id)
     check_result_fits(key, value, headers, max_bytes)
-    return Output(tp, offset, epoch, topic, key, value, headers, result=result, request_id=result.request_id)
+    doubtful = result.uncertainty is not None and result.uncertainty.uncertainty >= review_threshold
+    return Output(tp, offset, epoch, topic, key, value, headers, result=result, request_id=result.request_id,
+                  review_topic=review_topic if doubtful else None)
 
 
 def dead_letter_output(tp: TP, offset: int, epoch: int, topic: str, dl: DeadLetter, max_bytes: int) -> Output:
@@ -322,7 +337,8 @@ class Publisher:
     async def _flush_acked(self, batch: list[Output]) -> dict[TP, int]:
         if batch:
             try:
-                futures = [await self.producer.send(o.topic, o.value, key=o.key, headers=o.headers) for o in batch]
+                futures = [await self.producer.send(t, o.value, key=o.key, headers=o.headers)
+                           for o in batch for t in o.topics]
                 await asyncio.gather(*futures)
             except Exception as exc:
                 raise PublishError(f"publishing {len(batch)} outputs failed: {type(exc).__name__}: {exc}") from exc
@@ -385,7 +401,8 @@ class Publisher:
             return False
         async with producer.transaction():
             for o in outputs:
-                await producer.send(o.topic, o.value, key=o.key, headers=o.headers)
+                for t in o.topics:
+                    await producer.send(t, o.value, key=o.key, headers=o.headers)
             if offset is not None:
                 await producer.send_offsets_to_transaction({self._tp(*tp): offset}, self.group_id)
         for o in outputs:

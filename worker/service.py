@@ -248,7 +248,7 @@ class WorkerService:
         s = self.settings
         self.output_limits = await read_output_limits(
             {"bootstrap_servers": s.bootstrap_servers, **security_kwargs(s)}, s.result_topic, s.dead_letter_topic,
-            producer_max_request_size(producer_kwargs(s)))
+            producer_max_request_size(producer_kwargs(s)), review_topic=s.review_topic)
         if self.exactly_once:            # started per partition on assignment
             self.producer = PartitionProducers(s)
         else:
@@ -454,7 +454,7 @@ class WorkerService:
                 total_ms = max(queue_ms, (time.time() - job.origin_at) * 1000.0)
                 result = self.engine.to_result(job.request, res, lineage, queue_ms, total_ms, job.warnings)
                 return result_output(job.tp, job.offset, job.epoch, s.result_topic, result,
-                                     self.output_limits.result_bytes)
+                                     self.output_limits.result_bytes, s.review_topic, s.review_threshold)
             except ContractError as exc:        # oversize: the result does not fit its topic
                 err = exc
             except ValueError as exc:

@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--faults", type=int, default=12,
                     help="multi-sink: random sink faults (SIGKILL, SIGTERM, restart; default 12)")
     ap.add_argument("--sink-kills", type=int, default=0, help="crash: sink SIGKILLs as well (default 0)")
+    ap.add_argument("--review-threshold", type=float, default=None,
+                    help="crash: K = 2 requests and a review topic at this threshold, checked against the lake")
     ap.add_argument("--guarantee", type=_guarantees, default=None,
                     help="exactly_once | at_least_once | both (default: both for crash, exactly_once otherwise; "
                          "at_least_once for fuzz)")
@@ -93,7 +95,7 @@ async def _main(args) -> list[Figures]:
                 fig = await run_crash(broker, scenes=args.scenes or 1000,
                                       kills=10 if args.kills is None else args.kills, sink_kills=args.sink_kills,
                                       seed=args.seed, reasoning_tokens=args.reasoning_tokens,
-                                      batch_size=args.batch_size, **common)
+                                      batch_size=args.batch_size, review_threshold=args.review_threshold, **common)
             elif sc == "broker-restart":
                 fig = await run_broker_restart(broker, scenes=args.scenes or 300, down_s=args.down_s or 5.0,
                                                hard=args.hard, reasoning_tokens=args.reasoning_tokens,

@@ -17,6 +17,7 @@ from producer_tools.chaos.broker import Broker, Topics, create_topics, request_p
 from producer_tools.chaos.figures import Figures
 from producer_tools.chaos.monitor import Monitor, lake_rows
 from producer_tools.chaos.processes import Managed, make_sink, make_worker, tiny_checkpoint
+from producer_tools.chaos.review_check import check_review_topic, create_review_topic
 from producer_tools.lake import read_lake
 from producer_tools.run_manifest import RunManifest
 from worker.scenes import generate_scene
@@ -44,7 +45,8 @@ class Pipeline:
     def __init__(self, broker: Broker, *, scenario: str, guarantee: str, work: Path,
                  partitions: int = DEFAULT_PARTITIONS, replication_factor: int = 1, checkpoint: Path | None = None,
                  reasoning_tokens: int = 4, batch_size: int = 4, sink: bool = True,
-                 worker_extra: dict[str, str] | None = None, device: str | None = None):
+                 worker_extra: dict[str, str] | None = None, device: str | None = None,
+                 review_threshold: float | None = None):
         self.broker = broker
         self.work = Path(work)
         self.work.mkdir(parents=True, exist_ok=True)
@@ -65,6 +67,8 @@ class Pipeline:
         if checkpoint is None and os.environ.get("ALPAMAYO_CHAOS_CHECKPOINT"):
             self.checkpoint = Path(os.environ["ALPAMAYO_CHAOS_CHECKPOINT"])
         self.guarantee = guarantee
+        self.review_threshold = review_threshold   # set: a review topic, K = 2 requests, checked at the end
+        self.k = 1 if review_threshold is None else 2
         self.fig = Figures(scenario, guarantee)
         self.fig.extra["_topics"] = (self.topics.req, self.topics.res, self.topics.dl)
         self.worker: Managed | None = None
@@ -76,6 +80,10 @@ class Pipeline:
 
     async def __aenter__(self) -> "Pipeline":
         await create_topics(self.broker, self.topics, self.replication_factor)
+        if self.review_threshold is not None:
+            review = await create_review_topic(self.broker, self.topics, self.replication_factor)
+            self.worker_extra.update(ALPAMAYO_REVIEW_TOPIC=review, NIM_ALPAMAYO_TRAJ_SAMPLES=str(self.k),
+                                     ALPAMAYO_REVIEW_THRESHOLD=str(self.review_threshold))
         ckpt = self.checkpoint or await asyncio.to_thread(tiny_checkpoint)
         self.worker = make_worker(self.broker, self.topics, self.work, checkpoint=ckpt, group=self.group,
                                   guarantee=self.guarantee, reasoning_tokens=self.reasoning_tokens,
@@ -129,7 +137,8 @@ class Pipeline:
         """Scenes ``start..stop-1`` as trajectory requests of this run (the publish tool; its run
         manifest is what ``audit`` reconciles)."""
         kafka = self.broker.options(self.topics.req, self.topics.res, self.topics.dl)
-        opts = P.PublishOptions(tasks=["trajectory"], run_id=self.run_id, runs_dir=str(self.runs), progress=False,
+        opts = P.PublishOptions(tasks=["trajectory"], k=self.k, run_id=self.run_id, runs_dir=str(self.runs),
+                                progress=False,
                                 rate=rate, max_inflight=256, source=f"chaos:{self.fig.scenario}")
         summary = await P.publish(kafka, self.items(start, stop), opts)
         self.published += summary["published"]
@@ -196,6 +205,8 @@ class Pipeline:
             f.sink_restarts = self.sink.restarts
             f.extra["sink unplanned exits"] = self.sink.unplanned_exits
             self._lake_figures()
+            if self.review_threshold is not None:
+                await check_review_topic(self.broker, self.topics, str(self.lake), self.review_threshold, f)
         elif not f.published:          # (fuzz fills its own, per message)
             self._topic_figures()
         if self.monitor.undecodable:

@@ -25,13 +25,15 @@ log = logging.getLogger("alpamayo.chaos")
 async def run_crash(broker: Broker, *, scenes: int = 80, kills: int = 3, guarantee: str = "exactly_once",
                     sink_kills: int = 0, seed: int = 0, work: str | os.PathLike | None = None,
                     partitions: int = DEFAULT_PARTITIONS, jitter_s: float = 0.3, timeout: float = 900.0,
-                    reasoning_tokens: int = 4, batch_size: int = 4) -> Figures:
+                    reasoning_tokens: int = 4, batch_size: int = 4, review_threshold: float | None = None) -> Figures:
     """Publish ``scenes``, SIGKILL the worker ``kills`` times (and the sink ``sink_kills`` times) at
-    random moments mid-run, restart it each time; settle; sink + audit."""
+    random moments mid-run, restart it each time; settle; sink + audit. ``review_threshold``: K = 2
+    requests and a review topic, checked against the lake (``producer_tools.chaos.review_check``)."""
     rng = random.Random(seed)
     work = _work_dir(work, "crash")
     async with Pipeline(broker, scenario="crash", guarantee=guarantee, work=work / guarantee, partitions=partitions,
-                        reasoning_tokens=reasoning_tokens, batch_size=batch_size) as pl:
+                        reasoning_tokens=reasoning_tokens, batch_size=batch_size,
+                        review_threshold=review_threshold) as pl:
         pl.fig.kills_requested = kills + sink_kills
         await pl.publish(0, scenes)
         pl.start_sink()

@@ -93,9 +93,15 @@ def assert_crash_figures(fig: Figures, scenes: int, kills: int, sink_kills: int 
 
 @pytest.mark.parametrize("guarantee", GUARANTEES)
 async def test_worker_sigkilled_three_times_mid_run_loses_nothing(guarantee, kafka_bootstrap, tmp_path):
+    """K = 2 requests with a review topic: the doubtful results land there too, none lost or
+    duplicated under exactly_once."""
     fig = await run_crash(Broker(kafka_bootstrap), scenes=60, kills=3, guarantee=guarantee, seed=11,
-                          work=tmp_path, timeout=300)
+                          work=tmp_path, timeout=300, review_threshold=0.5)
     assert_crash_figures(fig, 60, 3)
+    review = fig.extra["_review"]
+    assert 0 < review["expected"] < 60 and review["lost"] == review["unexpected"] == 0, fig.extra["review"]
+    if guarantee == "exactly_once":
+        assert review["duplicated"] == 0 and review["records"] == review["expected"]
 
 
 @pytest.mark.slow

@@ -248,7 +248,10 @@ def test_result_variants_round_trip(ct: str) -> None:
                metrics=S.ResultMetrics(reasoning_texts=[""], generated_tokens=[2], timings=S.StageTimings(total_ms=5.0))),
         result(task="meta_action", num_samples=1, pred_trajectories=None, pred_rotations=None,
                outputs=[S.SampleOutput(text="...", meta_action=S.MetaAction(longitudinal="Decelerate", lateral="Keep lane"))]),
-        result(task="auto_labeling", outputs=[S.SampleOutput(text="{}", auto_label=S.AutoLabel(trajectory_analysis="straight"))] * 2),
+        result(task="auto_labeling", outputs=[S.SampleOutput(text="{}", auto_label=S.AutoLabel(trajectory_analysis="straight"))] * 2,
+               uncertainty=S.Uncertainty(uncertainty=0.0, auto_label_agreement=1.0)),
+        result(uncertainty=S.Uncertainty(uncertainty=0.42, trajectory_spread_m=1.5, endpoint_spread_m=4.0,
+                                         lateral_spread_m=0.95)),
         result(task="grounding", num_samples=1, outputs=[S.SampleOutput(text="[]", boxes=[S.GroundingBox(bbox_2d=[1, 2, 30, 40], label="car")])]),
     ]
     for res in variants:
@@ -260,6 +263,17 @@ def test_speculative_decoding_omits_none_fields() -> None:
     assert "per_step_accepted" not in summary and "per_step_drafted" not in summary
     detailed = msgspec.structs.replace(spec(), per_step_accepted=[1], per_step_drafted=[7])
     assert msgspec.json.decode(msgspec.json.encode(detailed))["per_step_accepted"] == [1]
+
+
+def test_uncertainty_block_is_optional_and_checked() -> None:
+    old = msgspec.msgpack.decode(S.encode_result(result())[0])
+    assert old["uncertainty"] is None                                   # K = 1 and older results: no block
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(S.Uncertainty(uncertainty=0.1))) == {"uncertainty": 0.1}
+    del old["uncertainty"]                                              # a result written before the block existed
+    assert S.decode_result(msgspec.msgpack.encode(old)).uncertainty is None
+    old["uncertainty"] = {"uncertainty": 1.5}
+    with pytest.raises(S.ContractError, match="uncertainty"):
+        S.decode_result(msgspec.msgpack.encode(old))
 
 
 def test_encoder_converts_array_likes() -> None:
@@ -573,7 +587,8 @@ def test_contract_doc_mentions_every_code_and_field() -> None:
     for code in ErrorCode:
         assert f"`{code.value}`" in doc, code
     for typ in (S.InferRequest, S.ImageRef, S.Egomotion, S.FutureEgomotion, S.InferResult, S.ResultMetrics,
-                S.SpeculativeDecoding, S.StageTimings, S.SampleOutput, S.ModelIdentity, S.Lineage, S.DeadLetter):
+                S.SpeculativeDecoding, S.StageTimings, S.SampleOutput, S.ModelIdentity, S.Lineage, S.DeadLetter,
+                S.Uncertainty):
         for field in typ.__struct_fields__:
             assert f"`{field}`" in doc, f"{typ.__name__}.{field}"
 

@@ -196,3 +196,20 @@ def test_gpu_memory_fraction_default_and_value():
 def test_missing_directories_name_their_variable(name, tmp_path):
     refused({name: str(tmp_path / "nope"), "NIM_MODEL_PROFILE": "bf16-dflash2"}, f"{name}={tmp_path / 'nope'}",
             "is not a directory")
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"ALPAMAYO_REVIEW_TOPIC": "rev", "ALPAMAYO_REVIEW_THRESHOLD": "1.5"}, "ALPAMAYO_REVIEW_THRESHOLD='1.5'"),
+    ({"ALPAMAYO_REVIEW_TOPIC": "rev", "ALPAMAYO_REVIEW_THRESHOLD": "high"}, "ALPAMAYO_REVIEW_THRESHOLD='high'"),
+    ({"ALPAMAYO_REVIEW_THRESHOLD": "0.5"}, "ALPAMAYO_REVIEW_TOPIC is not"),
+    ({"ALPAMAYO_REVIEW_TOPIC": "review topic"}, "ALPAMAYO_REVIEW_TOPIC='review topic'"),
+])
+def test_bad_review_settings(env, needle):
+    refused(env, needle)
+
+
+def test_review_topic_default_and_value():
+    s = load_settings({})
+    assert (s.review_topic, s.review_threshold) == (None, 0.5)
+    s = load_settings({"ALPAMAYO_REVIEW_TOPIC": "alpamayo.review", "ALPAMAYO_REVIEW_THRESHOLD": "0.8"})
+    assert (s.review_topic, s.review_threshold) == ("alpamayo.review", 0.8)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from worker.publisher import COMMIT_RETRY_S, OffsetTracker, Output, Publisher, PublishError
+import schemas as S
+from worker.publisher import COMMIT_RETRY_S, OffsetTracker, Output, Publisher, PublishError, result_output
 
 TP0, TP1 = ("req", 0), ("req", 1)
 
@@ -322,3 +323,44 @@ async def test_at_least_once_failed_commit_is_retried_on_a_timer_without_new_out
     assert cons.commits == [{TP0: 1}] and t.committed(TP0) == 1 and pub.commit_failures >= 1
     pub.close()
     await asyncio.wait_for(runner, 2)
+
+
+def _result(rid: str, uncertainty: float | None) -> S.InferResult:
+    return S.InferResult(
+        request_id=rid, task="trajectory", num_samples=2 if uncertainty is not None else 1,
+        metrics=S.ResultMetrics(reasoning_texts=[], generated_tokens=[], timings=S.StageTimings()),
+        model=S.ModelIdentity(id="m", profile="bf16", precision="bf16", checkpoint_hash="h"), completed_at=1.0,
+        uncertainty=S.Uncertainty(uncertainty=uncertainty) if uncertainty is not None else None)
+
+
+async def test_exactly_once_doubtful_results_go_to_the_review_topic_in_the_same_transaction():
+    t = OffsetTracker()
+    e0 = t.assign(TP0)
+    for off in range(4):
+        t.add(TP0, off)
+    prods, cons = FakePartitionProducers([TP0]), FakeConsumer([TP0])
+    pub = Publisher(prods, cons, t, "grp", exactly_once=True, tp_factory=FakeTP)
+    outs = [result_output(TP0, i, e0, "results", _result(rid, u), 1 << 20, "review", 0.5)
+            for i, (rid, u) in enumerate([("k1", None), ("low", 0.49), ("at", 0.5), ("high", 0.9)])]
+    assert [o.topics for o in outs] == [["results"], ["results"], ["results", "review"], ["results", "review"]]
+    pub.submit(outs)
+    assert await pub.flush() == {TP0: 4}
+    (txn,) = prods.producers[TP0].txns
+    assert txn["committed"] and txn["offsets"] == ({TP0: 4}, "grp")
+    assert txn["sends"] == [("results", b"k1"), ("results", b"low"), ("results", b"at"), ("review", b"at"),
+                            ("results", b"high"), ("review", b"high")]
+    assert result_output(TP0, 0, e0, "results", _result("x", 0.9), 1 << 20).topics == ["results"]   # no topic set
+
+
+async def test_at_least_once_commits_after_the_review_copy_is_acknowledged():
+    t = OffsetTracker()
+    e = t.assign(TP0)
+    t.add(TP0, 0)
+    prod, cons = FakeProducer(), FakeConsumer([TP0])
+    pub = Publisher(prod, cons, t, "g", exactly_once=False, tp_factory=FakeTP)
+    pub.submit([result_output(TP0, 0, e, "results", _result("high", 0.9), 1 << 20, "review", 0.5)])
+    flush = asyncio.create_task(pub.flush())
+    await asyncio.sleep(0.05)
+    assert [s[0] for s in prod.sent] == ["results", "review"] and cons.commits == []
+    prod.ack_all()
+    assert await flush == {TP0: 1}
