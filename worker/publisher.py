@@ -79,17 +79,21 @@ class Output:
     request_id: str | None = None
 
 
-def result_output(tp: TP, offset: int, epoch: int, topic: str, result: InferResult, max_bytes: int) -> Output:
-    """Raises an ``oversize`` ContractError when the result's record exceeds ``max_bytes``."""
-    value, headers = encode_result(result)
+def result_output(tp: TP, offset: int, epoch: int, topic: str, result: InferResult, max_bytes: int,
+                  content_type: str) -> Output:
+    """The result encoded as ``content_type`` (``ALPAMAYO_RESULT_FORMAT``). Raises an ``oversize``
+    ContractError when its record exceeds ``max_bytes``."""
+    value, headers = encode_result(result, content_type)
     key = result_key(result.request_id)
     check_result_fits(key, value, headers, max_bytes)
     return Output(tp, offset, epoch, topic, key, value, headers, result=result, request_id=result.request_id)
 
 
-def dead_letter_output(tp: TP, offset: int, epoch: int, topic: str, dl: DeadLetter, max_bytes: int) -> Output:
-    """The dead letter cut to fit ``max_bytes`` (:func:`worker.output_limits.fit_dead_letter`)."""
-    dl, value, headers = fit_dead_letter(dl, max_bytes)
+def dead_letter_output(tp: TP, offset: int, epoch: int, topic: str, dl: DeadLetter, max_bytes: int,
+                       content_type: str) -> Output:
+    """The dead letter encoded as ``content_type``, cut to fit ``max_bytes``
+    (:func:`worker.output_limits.fit_dead_letter`)."""
+    dl, value, headers = fit_dead_letter(dl, max_bytes, content_type)
     return Output(tp, offset, epoch, topic, dead_letter_key(dl), value, headers, error_code=dl.error_code.value,
                   request_id=dl.request_id)
 

@@ -369,7 +369,8 @@ class WorkerService:
         if not isinstance(out, DeadLetter):   # intake never raises; belt and braces
             out = self.intake.dead_letter(out if isinstance(out, BaseException) else RuntimeError(str(out)), rec)
         self.publisher.submit([dead_letter_output(tp, rec.offset, epoch, self.settings.dead_letter_topic, out,
-                                                  self.output_limits.dead_letter_bytes)])
+                                                  self.output_limits.dead_letter_bytes,
+                                                  self.settings.result_content_type)])
 
     # ------------------------------------------------------------------ engine
     async def _batch_loop(self, loop) -> None:
@@ -437,7 +438,7 @@ class WorkerService:
                 total_ms = max(queue_ms, (time.time() - job.origin_at) * 1000.0)
                 result = self.engine.to_result(job.request, res, lineage, queue_ms, total_ms, job.warnings)
                 return result_output(job.tp, job.offset, job.epoch, s.result_topic, result,
-                                     self.output_limits.result_bytes)
+                                     self.output_limits.result_bytes, s.result_content_type)
             except ContractError as exc:        # oversize: the result does not fit its topic
                 err = exc
             except ValueError as exc:
@@ -446,7 +447,7 @@ class WorkerService:
                 err = ContractError(ErrorCode.INTERNAL_ERROR, "$", f"{type(exc).__name__}: {exc}"[:1000])
         dl = job.dead_letter(err, s.worker_id)
         return dead_letter_output(job.tp, job.offset, job.epoch, s.dead_letter_topic, dl,
-                                  self.output_limits.dead_letter_bytes)
+                                  self.output_limits.dead_letter_bytes, s.result_content_type)
 
     # ------------------------------------------------------------------ monitor
     async def _monitor_loop(self) -> None:

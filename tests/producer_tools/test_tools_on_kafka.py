@@ -7,8 +7,9 @@
   sits between data files / before its offset commit), restarted with other rotation sizes -> no
   duplicate and no missing row;
 * a run of mixed scenes (all five tasks, claim-checked and inline images, one request the worker
-  must dead-letter) -> ``python -m worker serve`` -> ``sink`` -> ``audit`` says complete; then
-  ``dlq replay`` re-publishes the dead letter's original bytes with lineage headers.
+  must dead-letter) -> ``python -m worker serve`` (``ALPAMAYO_RESULT_FORMAT=json``: every output is
+  read by a plain ``json.loads``) -> ``sink`` -> ``audit`` says complete; then ``dlq replay``
+  re-publishes the dead letter's original bytes with lineage headers.
 """
 
 from __future__ import annotations
@@ -270,7 +271,7 @@ async def test_mixed_run_through_worker_sink_and_audit_is_complete(kafka_bootstr
         "ALPAMAYO_HTTP_HOST": "127.0.0.1", "ALPAMAYO_HTTP_PORT": str(port),
         "ALPAMAYO_MAX_REASONING_TOKENS": "4", "ALPAMAYO_MAX_BATCH_SIZE": "4", "ALPAMAYO_MAX_BATCH_WAIT_MS": "50",
         "ALPAMAYO_CLAIM_CHECK_ROOTS": f"file://{store}/", "ALPAMAYO_CACHE": str(tmp_path / "cache"),
-        "ALPAMAYO_LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "1"}, log)
+        "ALPAMAYO_RESULT_FORMAT": "json", "ALPAMAYO_LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "1"}, log)
     try:
         kafka = KafkaOptions(bootstrap_servers=kafka_bootstrap, request_topic=req_t, result_topic=res_t,
                              dead_letter_topic=dl_t)
@@ -308,6 +309,11 @@ async def test_mixed_run_through_worker_sink_and_audit_is_complete(kafka_bootstr
         assert rep.failed == [bad_id] and rep.failed_codes == {"k_not_served": 1}
         assert rep.lake_duplicates == [] and rep.duplicated == {} and rep.unexpected == []
         assert main(["audit", run_id, "--lake", str(lake), "--runs-dir", str(runs)]) == 0
+        # ALPAMAYO_RESULT_FORMAT=json: plain JSON on both output topics, said so by the header
+        for topic, n in ((res_t, n_scenes * 5), (dl_t, 1)):
+            for rec in await _consume_all(kafka_bootstrap, topic, n):
+                assert dict(rec.headers)["content-type"] == b"application/json"
+                assert json.loads(rec.value)["run_id"] == run_id
         results = LK.read_lake(lake, "results", run_id=run_id)
         assert sorted(set(results.column("task").to_pylist())) == sorted(S.TASKS)
         traj = [r for r in results.to_pylist() if r["task"] == "trajectory"]
