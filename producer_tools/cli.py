@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--top-p", type=float)
     pp.add_argument("--sampling-seed", type=int, help="request seed (default: the worker derives one per request id)")
     pp.add_argument("--max-tokens", type=int, help="generated-token cap for the text tasks")
+    pp.add_argument("--ground-truth", action="store_true",
+                    help="attach the scene's future egomotion to every request with ego history (the worker "
+                         "ignores it outside auto_labeling; sink --requests lands it for ADE)")
     pp.add_argument("--label", type=_kv, action="append", default=[], metavar="KEY=VALUE", help="request label")
     pp.add_argument("--object-store", help="claim-check store root (file:///DIR or DIR)")
     pp.add_argument("--claim-check-threshold", type=_bytes, default=900 * 1024,
@@ -155,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--group-id", default="alpamayo-lake-sink", help="consumer group (default alpamayo-lake-sink)")
     sp.add_argument("--no-dead-letters", action="store_true", help="results only")
     sp.add_argument("--no-results", action="store_true", help="dead letters only")
+    sp.add_argument("--samples", action="store_true",
+                    help="also the samples table: one row per sample of each result (e.g. --samples)")
+    sp.add_argument("--requests", action="store_true",
+                    help="also the requests table from the request topic (no images; ego history and ground "
+                         "truth as columns, for ADE by a join), e.g. --requests --request-topic alpamayo.requests")
     sp.add_argument("--rotate-rows", type=int, default=10_000, help="records per file and partition (default 10000)")
     sp.add_argument("--rotate-seconds", type=float, default=60.0, help="close a file this long after its first record")
     sp.add_argument("--until-idle", type=float, metavar="S", help="exit after S seconds without records")
@@ -164,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="consumer session timeout: how soon a dead sink's partitions move (default 10000)")
     sp.add_argument("--no-progress", action="store_true")
     sp.add_argument("--debug-pause", type=float, default=0.0, help=argparse.SUPPRESS)
-    _kafka_args(sp, topics=("result", "dead-letter"))
+    _kafka_args(sp, topics=("request", "result", "dead-letter"))
 
     # -- audit -------------------------------------------------------------------------------
     au = sub.add_parser("audit", help="reconcile a run's published requests with the lake")
@@ -292,7 +300,8 @@ def cmd_publish(args) -> int:
     opts = P.PublishOptions(
         tasks=args.tasks, mix=args.mix, k=args.k, run_id=args.run_id, runs_dir=args.runs_dir,
         temperature=args.temperature, top_p=args.top_p, sampling_seed=args.sampling_seed,
-        max_tokens=args.max_tokens, labels=dict(args.label), claim_check_threshold=args.claim_check_threshold,
+        max_tokens=args.max_tokens, labels=dict(args.label), ground_truth=args.ground_truth,
+        claim_check_threshold=args.claim_check_threshold,
         object_store=args.object_store,
         content_type=S.CONTENT_TYPE_JSON if args.json_encoding else S.CONTENT_TYPE_MSGPACK,
         rate=args.rate, max_inflight=args.max_inflight, compression=args.compression, limit=args.limit,
@@ -307,7 +316,8 @@ def cmd_sink(args) -> int:
 
     kafka = _kafka(args)
     opts = SinkOptions(lake=args.lake, group_id=args.group_id, include_results=not args.no_results,
-                       include_dead_letters=not args.no_dead_letters, rotate_rows=args.rotate_rows,
+                       include_dead_letters=not args.no_dead_letters, include_samples=args.samples,
+                       include_requests=args.requests, rotate_rows=args.rotate_rows,
                        rotate_seconds=args.rotate_seconds, until_idle=args.until_idle, max_records=args.max_records,
                        lock_timeout=args.lock_timeout, session_timeout_ms=args.session_timeout_ms,
                        progress=not args.no_progress, debug_pause=args.debug_pause)
