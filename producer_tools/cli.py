@@ -233,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--lake", required=True)
     rp.add_argument("--out", default="report")
     rp.add_argument("--run-id")
+    rp.add_argument("--force", action="store_true",
+                    help="overwrite an earlier report in --out (without it, an existing report is refused)")
 
     # -- scenes ------------------------------------------------------------------------------
     sc = sub.add_parser("scenes", help="write synthetic scene files (a source for publish --scenes-dir)")
@@ -379,7 +381,7 @@ def cmd_qualify(args) -> int:
 def cmd_report(args) -> int:
     from producer_tools.report import lake_report
 
-    s = lake_report(args.lake, args.out, run_id=args.run_id)
+    s = lake_report(args.lake, args.out, run_id=args.run_id, force=args.force)
     print(open(s["markdown"]).read())
     return 0
 
