@@ -11,11 +11,12 @@ Kafka connection and topic names come from the worker's environment variables
     alpamayo-producer topics describe
     alpamayo-producer publish --synthetic 100 --seed 0 --tasks trajectory,vqa --k 1 --object-store file:///data/claims
     alpamayo-producer publish --scenes-dir scenes/ --run-id run-20250101-a   # resumes run-20250101-a
-    alpamayo-producer sink --lake lake/ [--until-idle 30]
+    alpamayo-producer sink --lake lake/ [--until-idle 30] [--samples] [--requests]
+    alpamayo-producer lake compact --lake lake/
     alpamayo-producer audit RUN_ID --lake lake/
     alpamayo-producer dlq replay --lake lake/ --code inference_failed --run-id RUN_ID
     alpamayo-producer qualify --out qual/ [--checkpoint DIR --head DIR]
-    alpamayo-producer report --lake lake/ --out report/
+    alpamayo-producer report --lake lake/ --out report/ [--force]
 
 Exit status: 0 success, 1 audit found missing requests, 2 usage/configuration/Kafka errors,
 130 interrupted.
@@ -29,6 +30,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 import schemas as S
@@ -183,6 +185,18 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--no-manifest", action="store_true", help="audit the lake alone (no missing ids)")
     au.add_argument("--strict", action="store_true", help="also fail on failed/duplicated/unexpected ids")
     au.add_argument("--json", action="store_true")
+
+    # -- lake ---------------------------------------------------------------------------------
+    lp = sub.add_parser("lake", help="lake maintenance")
+    lsub = lp.add_subparsers(dest="lake_command", required=True, metavar="compact")
+    lc = lsub.add_parser("compact", help="merge small segment files of finished ranges (safe next to running "
+                                         "sinks), e.g. lake compact --lake lake/ --group-id alpamayo-lake-sink")
+    lc.add_argument("--lake", required=True, help="lake root directory")
+    lc.add_argument("--group-id", default="alpamayo-lake-sink",
+                    help="the sink's consumer group: only ranges below its committed offsets are merged "
+                         "(default alpamayo-lake-sink)")
+    lc.add_argument("--target-rows", type=int, default=100_000, help="rows per merged range (default 100000)")
+    _kafka_args(lc, topics=())
 
     # -- dlq ---------------------------------------------------------------------------------
     dp = sub.add_parser("dlq", help="dead-letter tools")
@@ -378,6 +392,16 @@ def cmd_qualify(args) -> int:
     return 0
 
 
+def cmd_lake(args) -> int:
+    from producer_tools.compact import committed_offsets, compact_lake
+
+    if not (Path(args.lake) / "_sink" / "ranges").is_dir():
+        die(f"--lake {args.lake}: no sink range index there ({args.lake}/_sink/ranges): point --lake at a sink's lake")
+    committed = asyncio.run(committed_offsets(_kafka(args), args.group_id))
+    _print_json(compact_lake(args.lake, committed, target_rows=args.target_rows))
+    return 0
+
+
 def cmd_report(args) -> int:
     from producer_tools.report import lake_report
 
@@ -395,7 +419,7 @@ def cmd_scenes(args) -> int:
 
 
 COMMANDS = {"topics": cmd_topics, "publish": cmd_publish, "sink": cmd_sink, "audit": cmd_audit, "dlq": cmd_dlq,
-            "qualify": cmd_qualify, "report": cmd_report, "scenes": cmd_scenes}
+            "qualify": cmd_qualify, "report": cmd_report, "lake": cmd_lake, "scenes": cmd_scenes}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,6 +16,8 @@ How the sink writes them exactly once: ``producer_tools.sink``; how ``lake compa
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 from collections import defaultdict
@@ -44,6 +46,7 @@ __all__ = [
     "read_range_index",
     "write_range_index",
     "append_range",
+    "merge_ranges",
     "lake_files",
     "read_lake",
     "one_row_per_request",
@@ -92,7 +95,16 @@ def scan_ranges(lake: str | os.PathLike, table: str) -> dict[tuple[str, int], li
             p = parse_segment_file_name(name)
             if p is not None:
                 out[(p[0], p[1])].add((p[2], p[3]))
-    return {k: sorted(v) for k, v in out.items()}
+    return {k: _outermost(v) for k, v in out.items()}
+
+
+def _outermost(ranges) -> list[tuple[int, int]]:
+    """Sorted ranges without those inside another (the inputs of an unfinished ``lake compact``)."""
+    out: list[tuple[int, int]] = []
+    for s, e in sorted(ranges, key=lambda r: (r[0], -r[1])):
+        if not out or e > out[-1][1]:
+            out.append((s, e))
+    return out
 
 
 def check_ranges(topic: str, partition: int, ranges: list[tuple[int, int]]) -> None:
@@ -112,17 +124,27 @@ def range_index_path(lake: str | os.PathLike, topic: str, partition: int) -> Pat
     return Path(lake) / "_sink" / "ranges" / f"{topic}+{int(partition)}.ranges"
 
 
-def read_range_index(lake: str | os.PathLike, topic: str, partition: int,
-                     repair: bool = False) -> list[tuple[int, int]] | None:
-    """Sorted distinct ranges of the index, or None when the partition has none yet. A last line
-    without its newline is an append torn by a crash: no file of that range was written (files
-    come after the line is durable), so it is ignored (``repair``: and cut off, so that the next
-    append starts a line; only the holder of the partition's lock may repair)."""
+@contextlib.contextmanager
+def _index_locked(lake: str | os.PathLike, topic: str, partition: int):
+    """Held for every change of a range index: the sink's appends and repairs, and ``lake compact``'s
+    read-modify-write, never interleave (an append to a file being replaced would be lost)."""
+    path = range_index_path(lake, topic, partition).with_suffix(".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)                    # releases the lock
+
+
+def _read_index(lake, topic: str, partition: int) -> tuple[list[tuple[int, int]] | None, bool]:
+    """(sorted distinct ranges or None, whether the last line is a torn append)."""
     path = range_index_path(lake, topic, partition)
     try:
         text = path.read_text("ascii")
     except FileNotFoundError:
-        return None
+        return None, False
     lines = text.split("\n")
     out = set()
     for i, line in enumerate(lines[:-1]):            # lines[-1]: "" or a torn append
@@ -130,28 +152,57 @@ def read_range_index(lake: str | os.PathLike, topic: str, partition: int,
         if not m or int(m[1]) > int(m[2]):
             raise ToolError(f"{path}: line {i + 1} is not '<start> <end>': {line[:80]!r}")
         out.add((int(m[1]), int(m[2])))
-    if repair and lines[-1]:
-        write_range_index(lake, topic, partition, sorted(out))
-    return sorted(out)
+    return sorted(out), bool(lines[-1])
+
+
+def _write_index(lake, topic: str, partition: int, ranges) -> None:
+    atomic_write_bytes(range_index_path(lake, topic, partition),
+                       "".join(f"{s} {e}\n" for s, e in sorted(set(ranges))).encode("ascii"))
+
+
+def read_range_index(lake: str | os.PathLike, topic: str, partition: int,
+                     repair: bool = False) -> list[tuple[int, int]] | None:
+    """Sorted distinct ranges of the index, or None when the partition has none yet. A last line
+    without its newline is an append torn by a crash: no file of that range was written (files
+    come after the line is durable), so it is ignored (``repair``: and cut off, so that the next
+    append starts a line; only the holder of the partition's lock may repair)."""
+    with _index_locked(lake, topic, partition):
+        ranges, torn = _read_index(lake, topic, partition)
+        if repair and torn:
+            _write_index(lake, topic, partition, ranges)
+    return ranges
 
 
 def write_range_index(lake: str | os.PathLike, topic: str, partition: int, ranges: list[tuple[int, int]]) -> None:
     """Create the index (atomically) from ranges found by one scan of the lake."""
-    atomic_write_bytes(range_index_path(lake, topic, partition),
-                       "".join(f"{s} {e}\n" for s, e in sorted(set(ranges))).encode("ascii"))
+    with _index_locked(lake, topic, partition):
+        _write_index(lake, topic, partition, ranges)
 
 
 def append_range(lake: str | os.PathLike, topic: str, partition: int, start: int, end: int) -> None:
     """Record a new segment's bounds durably, before any of its files is written."""
     path = range_index_path(lake, topic, partition)
     path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists()
-    with open(path, "ab") as f:
-        f.write(f"{int(start)} {int(end)}\n".encode("ascii"))
-        f.flush()
-        os.fsync(f.fileno())
+    with _index_locked(lake, topic, partition):
+        new = not path.exists()
+        with open(path, "ab") as f:
+            f.write(f"{int(start)} {int(end)}\n".encode("ascii"))
+            f.flush()
+            os.fsync(f.fileno())
     if new:
         fsync_dir(path.parent)
+
+
+def merge_ranges(lake: str | os.PathLike, topic: str, partition: int, merged: list[tuple[int, int]],
+                 into: tuple[int, int]) -> bool:
+    """Replace the ranges ``merged`` by the one range ``into`` in the index (``lake compact``, once
+    the merged files are durable); False, and nothing changed, when one of them is no longer listed."""
+    with _index_locked(lake, topic, partition):
+        ranges, _torn = _read_index(lake, topic, partition)
+        if ranges is None or not set(merged) <= set(ranges):
+            return False
+        _write_index(lake, topic, partition, [r for r in ranges if r not in set(merged)] + [into])
+    return True
 
 
 _COORDS = ("kafka_topic", "kafka_partition", "kafka_offset")
@@ -184,7 +235,7 @@ def lake_files(lake: str | os.PathLike, table: str, run_id: str | None = None) -
     out: list[str] = []
     for dirpath, dirs, files in os.walk(root):
         dirs[:] = sorted(d for d in dirs if not d.startswith(("_", ".")))
-        segments: dict[tuple[str, int], list[tuple[int, int, str]]] = defaultdict(list)
+        segments: dict[tuple[str, int], dict[tuple[int, int], str]] = defaultdict(dict)
         for name in sorted(files):
             if name.startswith(("_", ".")) or not name.endswith(".parquet"):
                 continue
@@ -192,13 +243,9 @@ def lake_files(lake: str | os.PathLike, table: str, run_id: str | None = None) -
             if seg is None:
                 out.append(os.path.join(dirpath, name))
             else:
-                segments[seg[:2]].append((seg[2], -seg[3], name))
-        for group in segments.values():
-            reach = -1
-            for start, neg_end, name in sorted(group):      # by start, the widest first
-                if -neg_end > reach:
-                    out.append(os.path.join(dirpath, name))
-                    reach = -neg_end
+                segments[seg[:2]][seg[2:]] = name
+        for names in segments.values():
+            out.extend(os.path.join(dirpath, names[r]) for r in _outermost(names))
     return out
 
 
