@@ -48,8 +48,11 @@ chosen boundaries are recorded by the file names themselves, and a crash before 
 a segment leaves nothing behind to conflict with. The sink refuses to run when it finds
 overlapping ranges of one topic-partition (only possible if files were copied in by hand or two
 sinks wrote one partition without the lock). Files copied into a lake by hand must come with
-their ranges: delete ``<lake>/_sink/ranges`` and the next assignment rebuilds it from a scan. Limits: records deleted by retention or compaction
-before a crashed range is replayed cannot be written; the lock needs a file system with working
+their ranges: delete ``<lake>/_sink/ranges`` and the next assignment rebuilds it from a scan. ``alpamayo-producer lake compact``
+(``producer_tools.compact``) merges finished ranges (below the committed offset) into one range
+and one file per directory; every change of the range index, the sink's appends included, holds
+the index's lock, so that no append is lost to the compaction's rewrite. Limits: records deleted
+by retention or compaction before a crashed range is replayed cannot be written; the lock needs a file system with working
 ``flock`` (local disks, NFSv4).
 """
 
