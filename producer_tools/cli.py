@@ -12,13 +12,14 @@ waits up to ``ALPAMAYO_KAFKA_WAIT_S`` (default 5) for a broker, then stops with 
     alpamayo-producer topics describe
     alpamayo-producer publish --synthetic 100 --seed 0 --tasks trajectory,vqa --k 1 --object-store file:///data/claims
     alpamayo-producer publish --scenes-dir scenes/ --run-id run-20250101-a   # resumes run-20250101-a
-    alpamayo-producer sink --lake lake/ [--until-idle 30]
+    alpamayo-producer sink --lake lake/ [--until-idle 30] [--samples] [--requests]
+    alpamayo-producer lake compact --lake lake/
     alpamayo-producer audit RUN_ID --lake lake/
     alpamayo-producer dlq list --lake lake/
     alpamayo-producer dlq replay --lake lake/ --code inference_failed --run-id RUN_ID
     alpamayo-producer qualify --out qual/ [--checkpoint DIR --head DIR]
     alpamayo-producer qualify --uncertainty --scenes 64 --out qual/
-    alpamayo-producer report --lake lake/ --out report/
+    alpamayo-producer report --lake lake/ --out report/ [--force]
     alpamayo-producer review --lake lake/ --run-id RUN_ID --out review/
 
 Exit status: 0 success; audit: 0 COMPLETE, 1 FAILED (requests dead-lettered), 3 INCOMPLETE (requests
@@ -36,6 +37,7 @@ import os
 import shlex
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any, Sequence
 
 import schemas as S
@@ -166,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--top-p", type=float, help="nucleus sampling mass (default: the contract's)")
     pp.add_argument("--sampling-seed", type=int, help="request seed (default: the worker derives one per request id)")
     pp.add_argument("--max-tokens", type=int, help="generated-token cap for the text tasks")
+    pp.add_argument("--ground-truth", action="store_true",
+                    help="attach the scene's future egomotion to every request with ego history (the worker "
+                         "ignores it outside auto_labeling; sink --requests lands it for ADE)")
     pp.add_argument("--label", type=_kv, action="append", default=[], metavar="KEY=VALUE", help="request label")
     pp.add_argument("--object-store", help="claim-check store root (file:///DIR or DIR)")
     pp.add_argument("--claim-check-threshold", type=_bytes, default=900 * 1024,
@@ -185,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--group-id", default="alpamayo-lake-sink", help="consumer group (default alpamayo-lake-sink)")
     sp.add_argument("--no-dead-letters", action="store_true", help="results only")
     sp.add_argument("--no-results", action="store_true", help="dead letters only")
+    sp.add_argument("--samples", action="store_true",
+                    help="also the samples table: one row per sample of each result (e.g. --samples)")
+    sp.add_argument("--requests", action="store_true",
+                    help="also the requests table from the request topic (no images; ego history and ground "
+                         "truth as columns, for ADE by a join), e.g. --requests --request-topic alpamayo.requests")
     sp.add_argument("--rotate-rows", type=int, default=10_000, help="records per file and partition (default 10000)")
     sp.add_argument("--rotate-seconds", type=float, default=60.0, help="close a file this long after its first record")
     sp.add_argument("--until-idle", type=float, metavar="S", help="exit after S seconds without records")
@@ -194,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="consumer session timeout: how soon a dead sink's partitions move (default 10000)")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     sp.add_argument("--debug-pause", type=float, default=0.0, help=argparse.SUPPRESS)
-    _kafka_args(sp, topics=("result", "dead-letter"))
+    _kafka_args(sp, topics=("request", "result", "dead-letter"))
 
     # -- audit -------------------------------------------------------------------------------
     au = _command(sub, "audit", "reconcile a run's planned and published requests with the lake",
@@ -210,6 +220,18 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--no-manifest", action="store_true", help="audit the lake alone (no missing ids)")
     au.add_argument("--strict", action="store_true", help="also fail on failed/duplicated/unexpected ids")
     au.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    # -- lake ---------------------------------------------------------------------------------
+    lp = sub.add_parser("lake", help="lake maintenance")
+    lsub = lp.add_subparsers(dest="lake_command", required=True, metavar="compact")
+    lc = lsub.add_parser("compact", help="merge small segment files of finished ranges (safe next to running "
+                                         "sinks), e.g. lake compact --lake lake/ --group-id alpamayo-lake-sink")
+    lc.add_argument("--lake", required=True, help="lake root directory")
+    lc.add_argument("--group-id", default="alpamayo-lake-sink",
+                    help="the sink's consumer group: only ranges below its committed offsets are merged "
+                         "(default alpamayo-lake-sink)")
+    lc.add_argument("--target-rows", type=int, default=100_000, help="rows per merged range (default 100000)")
+    _kafka_args(lc, topics=())
 
     # -- dlq ---------------------------------------------------------------------------------
     dp = _command(sub, "dlq", "dead-letter tools: list them by code, replay them after a fix",
@@ -275,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--lake", required=True, help="lake root directory (as for sink)")
     rp.add_argument("--out", default="report", help="output directory (default ./report)")
     rp.add_argument("--run-id", help="one run only (default: every run in the lake)")
+
+    rp.add_argument("--force", action="store_true",
+                    help="overwrite an earlier report in --out (without it, an existing report is refused)")
 
     # -- review ------------------------------------------------------------------------------
     vp = _command(sub, "review", "a run's doubtful results (uncertainty at or above a threshold) and their plots",
@@ -369,7 +394,8 @@ def cmd_publish(args) -> int:
     opts = P.PublishOptions(
         tasks=args.tasks, mix=args.mix, k=args.k, run_id=run_id, runs_dir=args.runs_dir,
         temperature=args.temperature, top_p=args.top_p, sampling_seed=args.sampling_seed,
-        max_tokens=args.max_tokens, labels=dict(args.label), claim_check_threshold=args.claim_check_threshold,
+        max_tokens=args.max_tokens, labels=dict(args.label), ground_truth=args.ground_truth,
+        claim_check_threshold=args.claim_check_threshold,
         object_store=args.object_store,
         content_type=S.CONTENT_TYPE_JSON if args.json_encoding else S.CONTENT_TYPE_MSGPACK,
         rate=args.rate, max_inflight=args.max_inflight, compression=args.compression, limit=args.limit,
@@ -386,7 +412,8 @@ def cmd_sink(args) -> int:
 
     kafka = _kafka(args)
     opts = SinkOptions(lake=args.lake, group_id=args.group_id, include_results=not args.no_results,
-                       include_dead_letters=not args.no_dead_letters, rotate_rows=args.rotate_rows,
+                       include_dead_letters=not args.no_dead_letters, include_samples=args.samples,
+                       include_requests=args.requests, rotate_rows=args.rotate_rows,
                        rotate_seconds=args.rotate_seconds, until_idle=args.until_idle, max_records=args.max_records,
                        lock_timeout=args.lock_timeout, session_timeout_ms=args.session_timeout_ms,
                        progress=not args.no_progress, debug_pause=args.debug_pause)
@@ -476,13 +503,22 @@ def cmd_review(args) -> int:
                    limit=args.limit)
     print(f"{s['doubtful']} doubtful results (uncertainty >= {s['threshold']:g}); plots in {args.out}")
     print(s["table"])
+
+
+def cmd_lake(args) -> int:
+    from producer_tools.compact import committed_offsets, compact_lake
+
+    if not (Path(args.lake) / "_sink" / "ranges").is_dir():
+        die(f"--lake {args.lake}: no sink range index there ({args.lake}/_sink/ranges): point --lake at a sink's lake")
+    committed = asyncio.run(committed_offsets(_kafka(args), args.group_id))
+    _print_json(compact_lake(args.lake, committed, target_rows=args.target_rows))
     return 0
 
 
 def cmd_report(args) -> int:
     from producer_tools.report import lake_report
 
-    s = lake_report(args.lake, args.out, run_id=args.run_id)
+    s = lake_report(args.lake, args.out, run_id=args.run_id, force=args.force)
     print(open(s["markdown"]).read())
     return 0
 
@@ -496,7 +532,8 @@ def cmd_scenes(args) -> int:
 
 
 COMMANDS = {"topics": cmd_topics, "publish": cmd_publish, "sink": cmd_sink, "audit": cmd_audit, "dlq": cmd_dlq,
-            "qualify": cmd_qualify, "report": cmd_report, "review": cmd_review, "scenes": cmd_scenes}
+            "qualify": cmd_qualify, "report": cmd_report, "review": cmd_review, "lake": cmd_lake,
+            "scenes": cmd_scenes}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -84,10 +84,10 @@ async def _publish_and_collect(opts, reqs, timeout_s: float):
             for tp, records in batch.items():
                 for rec in records:
                     if tp.topic == opts.result_topic:
-                        r = S.decode_result(rec.value)
+                        r = S.decode_result(rec.value, list(rec.headers or ()))
                         results[r.request_id] = (r, time.time() - sent_at.get(r.request_id, time.time()))
                     else:
-                        d = S.decode_dead_letter(rec.value)
+                        d = S.decode_dead_letter(rec.value, list(rec.headers or ()))
                         dead[d.request_id] = d
             done = len(results) + len(dead)
             if done != last:

@@ -7,13 +7,17 @@ Layout::
     <lake>/results/run_id=<run>/date=<YYYY-MM-DD>/<topic>+<partition>+<start>-<end>.parquet
     <lake>/dead_letters/run_id=<run>/date=<YYYY-MM-DD>/<topic>+<partition>+<start>-<end>.parquet
 
-``run_id`` is URI-encoded (``__HIVE_DEFAULT_PARTITION__`` when null). Files hold the fixed schemas
-:data:`RESULT_SCHEMA` / :data:`DEAD_LETTER_SCHEMA` (partition columns come from the path).
-How the sink writes them exactly once: ``producer_tools.sink``.
+(also ``samples/`` and ``requests/``, see ``producer_tools.lake_tables``). ``run_id`` is
+URI-encoded in the path (``__HIVE_DEFAULT_PARTITION__`` when null) and a column in the files;
+``date`` comes from the path. Files hold the fixed schemas of ``producer_tools.lake_tables``.
+How the sink writes them exactly once: ``producer_tools.sink``; how ``lake compact`` merges them:
+``producer_tools.compact``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 from collections import defaultdict
@@ -23,10 +27,13 @@ from urllib.parse import quote
 import pyarrow as pa
 
 from producer_tools.common import ToolError, atomic_write_bytes, fsync_dir
+from producer_tools.lake_tables import DEAD_LETTER_SCHEMA, REQUEST_SCHEMA, RESULT_SCHEMA, SAMPLE_SCHEMA, TABLES
 
 __all__ = [
     "RESULT_SCHEMA",
     "DEAD_LETTER_SCHEMA",
+    "SAMPLE_SCHEMA",
+    "REQUEST_SCHEMA",
     "PARTITION_SCHEMA",
     "TABLES",
     "NULL_PARTITION",
@@ -39,99 +46,15 @@ __all__ = [
     "read_range_index",
     "write_range_index",
     "append_range",
+    "merge_ranges",
+    "lake_files",
     "read_lake",
     "one_row_per_request",
 ]
 
 NULL_PARTITION = "__HIVE_DEFAULT_PARTITION__"
-_F32 = pa.float32()
 _STR = pa.string()
-_TS_UTC = pa.timestamp("us", tz="UTC")
-
-_LINEAGE_FIELDS = [
-    pa.field("kafka_topic", _STR, nullable=False),
-    pa.field("kafka_partition", pa.int32(), nullable=False),
-    pa.field("kafka_offset", pa.int64(), nullable=False),
-    pa.field("kafka_timestamp", pa.timestamp("ms", tz="UTC")),
-    pa.field("decode_error", _STR),
-]
-
-RESULT_SCHEMA = pa.schema([
-    pa.field("request_id", _STR),
-    pa.field("task", _STR),
-    pa.field("schema_version", pa.int16()),
-    pa.field("num_samples", pa.int32()),
-    pa.field("labels", pa.map_(_STR, _STR)),
-    pa.field("pred_trajectories", pa.list_(pa.list_(pa.list_(_F32, 3), 64))),   # K x 64 x [x, y, z]
-    pa.field("pred_rotations", pa.list_(pa.list_(pa.list_(_F32, 9), 64))),      # K x 64 x row-major 3x3
-    pa.field("answer", _STR),
-    pa.field("output_texts", pa.list_(_STR)),
-    pa.field("cots", pa.list_(_STR)),
-    pa.field("meta_actions", pa.list_(pa.struct([("longitudinal", _STR), ("lateral", _STR), ("lane", _STR)]))),
-    pa.field("auto_labels", pa.list_(pa.struct([
-        ("critical_components_analysis", _STR), ("ego_vehicle_motion_analysis", _STR),
-        ("trajectory_analysis", _STR), ("chain_of_causation", _STR)]))),
-    pa.field("boxes", pa.list_(pa.list_(pa.struct([("bbox_2d", pa.list_(pa.float64())), ("label", _STR)])))),
-    pa.field("reasoning_texts", pa.list_(_STR)),
-    pa.field("generated_tokens", pa.list_(pa.int32())),
-    pa.field("spec_num_spec_tokens", pa.int32()),
-    pa.field("spec_num_spec_steps", pa.int64()),
-    pa.field("spec_num_draft_tokens", pa.int64()),
-    pa.field("spec_num_accepted_draft_tokens", pa.int64()),
-    pa.field("spec_draft_acceptance_rate", pa.float64()),
-    pa.field("spec_mean_acceptance_length", pa.float64()),
-    pa.field("spec_acceptance_histogram", pa.list_(pa.int64())),
-    pa.field("spec_per_step_accepted", pa.list_(pa.int32())),
-    pa.field("spec_per_step_drafted", pa.list_(pa.int32())),
-    pa.field("queue_ms", pa.float64()),
-    pa.field("image_prep_ms", pa.float64()),
-    pa.field("prefill_ms", pa.float64()),
-    pa.field("decode_ms", pa.float64()),
-    pa.field("diffusion_ms", pa.float64()),
-    pa.field("total_ms", pa.float64()),
-    pa.field("warnings", pa.list_(_STR)),
-    pa.field("model_id", _STR),
-    pa.field("model_profile", _STR),
-    pa.field("model_precision", _STR),
-    pa.field("model_checkpoint_hash", _STR),
-    pa.field("model_speculative_decoding", _STR),
-    pa.field("model_speculative_model", _STR),
-    pa.field("request_topic", _STR),
-    pa.field("request_partition", pa.int32()),
-    pa.field("request_offset", pa.int64()),
-    pa.field("worker_id", _STR),
-    pa.field("attempt", pa.int32()),
-    pa.field("replay_of", _STR),
-    pa.field("completed_at", _TS_UTC),
-    *_LINEAGE_FIELDS,
-])
-"""Results table (one row per result record; run_id/date come from the Hive path)."""
-
-DEAD_LETTER_SCHEMA = pa.schema([
-    pa.field("request_id", _STR),
-    pa.field("schema_version", pa.int16()),
-    pa.field("error_code", _STR),
-    pa.field("error_field", _STR),
-    pa.field("error_message", _STR),
-    pa.field("retryable", pa.bool_()),
-    pa.field("original_value", pa.large_binary()),
-    pa.field("original_value_truncated", pa.bool_()),
-    pa.field("original_size", pa.int64()),
-    pa.field("original_key", pa.binary()),
-    pa.field("original_headers", pa.list_(pa.struct([("key", _STR), ("value", pa.binary())]))),
-    pa.field("source_topic", _STR),
-    pa.field("source_partition", pa.int32()),
-    pa.field("source_offset", pa.int64()),
-    pa.field("attempt", pa.int32()),
-    pa.field("worker_id", _STR),
-    pa.field("failed_at", _TS_UTC),
-    pa.field("kafka_key", pa.binary()),
-    *_LINEAGE_FIELDS,
-])
-"""Dead-letter table: error code/field/message and the original bytes (for ``dlq replay``)."""
-
 PARTITION_SCHEMA = pa.schema([pa.field("run_id", _STR), pa.field("date", _STR)])
-TABLES = {"results": RESULT_SCHEMA, "dead_letters": DEAD_LETTER_SCHEMA}
 
 _SEGMENT_RE = re.compile(r"^(?P<topic>[A-Za-z0-9._-]+)\+(?P<partition>\d+)\+(?P<start>\d+)-(?P<end>\d+)\.parquet$")
 
@@ -172,7 +95,16 @@ def scan_ranges(lake: str | os.PathLike, table: str) -> dict[tuple[str, int], li
             p = parse_segment_file_name(name)
             if p is not None:
                 out[(p[0], p[1])].add((p[2], p[3]))
-    return {k: sorted(v) for k, v in out.items()}
+    return {k: _outermost(v) for k, v in out.items()}
+
+
+def _outermost(ranges) -> list[tuple[int, int]]:
+    """Sorted ranges without those inside another (the inputs of an unfinished ``lake compact``)."""
+    out: list[tuple[int, int]] = []
+    for s, e in sorted(ranges, key=lambda r: (r[0], -r[1])):
+        if not out or e > out[-1][1]:
+            out.append((s, e))
+    return out
 
 
 def check_ranges(topic: str, partition: int, ranges: list[tuple[int, int]]) -> None:
@@ -192,17 +124,27 @@ def range_index_path(lake: str | os.PathLike, topic: str, partition: int) -> Pat
     return Path(lake) / "_sink" / "ranges" / f"{topic}+{int(partition)}.ranges"
 
 
-def read_range_index(lake: str | os.PathLike, topic: str, partition: int,
-                     repair: bool = False) -> list[tuple[int, int]] | None:
-    """Sorted distinct ranges of the index, or None when the partition has none yet. A last line
-    without its newline is an append torn by a crash: no file of that range was written (files
-    come after the line is durable), so it is ignored (``repair``: and cut off, so that the next
-    append starts a line; only the holder of the partition's lock may repair)."""
+@contextlib.contextmanager
+def _index_locked(lake: str | os.PathLike, topic: str, partition: int):
+    """Held for every change of a range index: the sink's appends and repairs, and ``lake compact``'s
+    read-modify-write, never interleave (an append to a file being replaced would be lost)."""
+    path = range_index_path(lake, topic, partition).with_suffix(".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)                    # releases the lock
+
+
+def _read_index(lake, topic: str, partition: int) -> tuple[list[tuple[int, int]] | None, bool]:
+    """(sorted distinct ranges or None, whether the last line is a torn append)."""
     path = range_index_path(lake, topic, partition)
     try:
         text = path.read_text("ascii")
     except FileNotFoundError:
-        return None
+        return None, False
     lines = text.split("\n")
     out = set()
     for i, line in enumerate(lines[:-1]):            # lines[-1]: "" or a torn append
@@ -210,28 +152,57 @@ def read_range_index(lake: str | os.PathLike, topic: str, partition: int,
         if not m or int(m[1]) > int(m[2]):
             raise ToolError(f"{path}: line {i + 1} is not '<start> <end>': {line[:80]!r}")
         out.add((int(m[1]), int(m[2])))
-    if repair and lines[-1]:
-        write_range_index(lake, topic, partition, sorted(out))
-    return sorted(out)
+    return sorted(out), bool(lines[-1])
+
+
+def _write_index(lake, topic: str, partition: int, ranges) -> None:
+    atomic_write_bytes(range_index_path(lake, topic, partition),
+                       "".join(f"{s} {e}\n" for s, e in sorted(set(ranges))).encode("ascii"))
+
+
+def read_range_index(lake: str | os.PathLike, topic: str, partition: int,
+                     repair: bool = False) -> list[tuple[int, int]] | None:
+    """Sorted distinct ranges of the index, or None when the partition has none yet. A last line
+    without its newline is an append torn by a crash: no file of that range was written (files
+    come after the line is durable), so it is ignored (``repair``: and cut off, so that the next
+    append starts a line; only the holder of the partition's lock may repair)."""
+    with _index_locked(lake, topic, partition):
+        ranges, torn = _read_index(lake, topic, partition)
+        if repair and torn:
+            _write_index(lake, topic, partition, ranges)
+    return ranges
 
 
 def write_range_index(lake: str | os.PathLike, topic: str, partition: int, ranges: list[tuple[int, int]]) -> None:
     """Create the index (atomically) from ranges found by one scan of the lake."""
-    atomic_write_bytes(range_index_path(lake, topic, partition),
-                       "".join(f"{s} {e}\n" for s, e in sorted(set(ranges))).encode("ascii"))
+    with _index_locked(lake, topic, partition):
+        _write_index(lake, topic, partition, ranges)
 
 
 def append_range(lake: str | os.PathLike, topic: str, partition: int, start: int, end: int) -> None:
     """Record a new segment's bounds durably, before any of its files is written."""
     path = range_index_path(lake, topic, partition)
     path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists()
-    with open(path, "ab") as f:
-        f.write(f"{int(start)} {int(end)}\n".encode("ascii"))
-        f.flush()
-        os.fsync(f.fileno())
+    with _index_locked(lake, topic, partition):
+        new = not path.exists()
+        with open(path, "ab") as f:
+            f.write(f"{int(start)} {int(end)}\n".encode("ascii"))
+            f.flush()
+            os.fsync(f.fileno())
     if new:
         fsync_dir(path.parent)
+
+
+def merge_ranges(lake: str | os.PathLike, topic: str, partition: int, merged: list[tuple[int, int]],
+                 into: tuple[int, int]) -> bool:
+    """Replace the ranges ``merged`` by the one range ``into`` in the index (``lake compact``, once
+    the merged files are durable); False, and nothing changed, when one of them is no longer listed."""
+    with _index_locked(lake, topic, partition):
+        ranges, _torn = _read_index(lake, topic, partition)
+        if ranges is None or not set(merged) <= set(ranges):
+            return False
+        _write_index(lake, topic, partition, [r for r in ranges if r not in set(merged)] + [into])
+    return True
 
 
 _COORDS = ("kafka_topic", "kafka_partition", "kafka_offset")
@@ -253,31 +224,46 @@ def one_row_per_request(tbl: pa.Table) -> pa.Table:
     return tbl.take(pc.take(keep, pc.sort_indices(keep)))
 
 
+def lake_files(lake: str | os.PathLike, table: str, run_id: str | None = None) -> list[str]:
+    """The data files of a table (optionally one run's) a reader reads: every ``*.parquet`` outside
+    ``_``/``.`` paths, except a segment whose range lies inside another segment's range of the same
+    topic-partition in the same directory: the input of a ``lake compact`` whose merged file (which
+    holds its rows) is already there and which is about to be deleted."""
+    root = Path(lake) / table
+    if run_id is not None:
+        root = root / f"run_id={_partition_value(run_id)}"
+    out: list[str] = []
+    for dirpath, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(("_", ".")))
+        segments: dict[tuple[str, int], dict[tuple[int, int], str]] = defaultdict(dict)
+        for name in sorted(files):
+            if name.startswith(("_", ".")) or not name.endswith(".parquet"):
+                continue
+            seg = parse_segment_file_name(name)
+            if seg is None:
+                out.append(os.path.join(dirpath, name))
+            else:
+                segments[seg[:2]][seg[2:]] = name
+        for names in segments.values():
+            out.extend(os.path.join(dirpath, names[r]) for r in _outermost(names))
+    return out
+
+
 def read_lake(lake: str | os.PathLike, table: str = "results", run_id: str | None = None,
               columns: list[str] | None = None, dedupe: bool = False) -> pa.Table:
-    """The table (with ``run_id`` and ``date`` from the path), optionally one run's rows only;
-    ``dedupe``: one row per request id (`one_row_per_request`), what lake consumers usually want
-    from an at-least-once run."""
+    """The table (``date`` from the path), optionally one run's rows only; ``dedupe``: one row per
+    request id (`one_row_per_request`), what lake consumers usually want from an at-least-once run."""
     if dedupe:
         cols = None if columns is None else list(dict.fromkeys([*columns, "request_id", *_COORDS]))
         tbl = one_row_per_request(read_lake(lake, table, run_id, cols))
         return tbl.select(columns) if columns else tbl
     import pyarrow.dataset as ds  # slow to import; only readers need it, not the sink
 
-    schema = pa.schema(list(TABLES[table]) + list(PARTITION_SCHEMA))
-    root = Path(lake) / table
-    if run_id is not None:
-        root = root / f"run_id={_partition_value(run_id)}"
-    if not root.is_dir():
+    schema = pa.schema(list(TABLES[table]) + [pa.field("date", _STR)])
+    files = lake_files(lake, table, run_id)
+    if not files:
         tbl = schema.empty_table()
         return tbl.select(columns) if columns else tbl
-    if run_id is not None:
-        part = ds.partitioning(pa.schema([pa.field("date", _STR)]), flavor="hive")
-        d = ds.dataset(str(root), format="parquet", partitioning=part,
-                       schema=pa.schema(list(TABLES[table]) + [pa.field("date", _STR)]))
-        tbl = d.to_table(columns=[c for c in (columns or schema.names) if c != "run_id"])
-        tbl = tbl.append_column("run_id", pa.array([run_id] * tbl.num_rows, _STR))
-        return tbl.select(columns) if columns else tbl.select(schema.names)
-    part = ds.partitioning(PARTITION_SCHEMA, flavor="hive")
-    d = ds.dataset(str(root), format="parquet", partitioning=part, schema=schema)
+    d = ds.dataset(files, format="parquet", schema=schema, partition_base_dir=str(Path(lake) / table),
+                   partitioning=ds.partitioning(PARTITION_SCHEMA, flavor="hive"))
     return d.to_table(columns=columns)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Iterable, Iterator, Sequence
 
+import msgspec
 from aiokafka import AIOKafkaProducer
 from tqdm import tqdm
 
@@ -83,17 +84,25 @@ def planned_total(scene_tasks: Iterable[list[str] | None], tasks: Sequence[str],
 
 def run_request(item: SceneItem, task: str, k: int, run_id: str, *, temperature: float | None = None,
                 top_p: float | None = None, seed: int | None = None, max_tokens: int | None = None,
-                labels: dict[str, str] | None = None, submitted_at: float | None = None) -> S.InferRequest:
+                labels: dict[str, str] | None = None, submitted_at: float | None = None,
+                ground_truth: bool = False) -> S.InferRequest:
     """The request of a publish run for one scene and task: ``build_request`` with the run's stable
-    request id, ``run_id``, ``submitted_at`` (now by default) and the label ``scene_id``."""
+    request id, ``run_id``, ``submitted_at`` (now by default) and the label ``scene_id``;
+    ``ground_truth``: the scene's future egomotion too, on requests with ego history (the lake's
+    requests table then holds it for ADE; the worker reads it for auto_labeling only)."""
     try:
-        return build_request(
+        req = build_request(
             item, task, k, request_id=request_id_for(run_id, item.scene_id, task, k), run_id=run_id,
             submitted_at=time.time() if submitted_at is None else submitted_at,
             labels={"scene_id": item.scene_id, **item.labels, **(labels or {})}, temperature=temperature,
             top_p=top_p, seed=seed, max_tokens=max_tokens)
     except SceneInputError as exc:
         raise ToolError(str(exc)) from None
+    if ground_truth and req.egomotion is not None and req.future_egomotion is None and item.ego_future_xyz is not None:
+        req = msgspec.structs.replace(req, future_egomotion=S.FutureEgomotion(
+            ego_future_xyz=item.ego_future_xyz, ego_future_rot=item.ego_future_rot,
+            ego_future_quat=item.ego_future_quat))
+    return req
 
 
 @dataclass
@@ -108,6 +117,7 @@ class PublishOptions:
     sampling_seed: int | None = None
     max_tokens: int | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    ground_truth: bool = False          # the scene's future egomotion on every request with ego history
     claim_check_threshold: int = DEFAULT_CLAIM_CHECK_THRESHOLD
     object_store: str | None = None
     content_type: str = S.CONTENT_TYPE_MSGPACK
@@ -192,7 +202,8 @@ async def publish(kafka: KafkaOptions, items: Iterable[SceneItem], opts: Publish
                 if delay > 0:
                     await asyncio.sleep(delay)
             req = run_request(item, task, opts.k, run_id, temperature=opts.temperature, top_p=opts.top_p,
-                              seed=opts.sampling_seed, max_tokens=opts.max_tokens, labels=opts.labels)
+                              seed=opts.sampling_seed, max_tokens=opts.max_tokens, labels=opts.labels,
+                              ground_truth=opts.ground_truth)
             try:
                 S.validate_request(req)
             except S.ContractError as err:

@@ -1,10 +1,12 @@
-"""``alpamayo-producer sink``: result and dead-letter topics -> a Hive-partitioned Parquet lake,
-exactly once.
+"""``alpamayo-producer sink``: result and dead-letter topics (``--requests``: the request topic
+too) -> a Hive-partitioned Parquet lake, exactly once.
 
-Layout (``producer_tools.lake``): ``<lake>/<results|dead_letters>/run_id=<run>/date=<YYYY-MM-DD>/
+Layout (``producer_tools.lake``): ``<lake>/<table>/run_id=<run>/date=<YYYY-MM-DD>/
 <topic>+<partition>+<start>-<end>.parquet``, plus ``<lake>/_sink/locks/`` and ``_sink/ranges/``.
 ``date`` is the UTC day of the Kafka record timestamp (immutable, so every rewrite of a record
-picks the same directory); files hold the fixed schemas of ``producer_tools.lake``.
+picks the same directory); files hold the fixed schemas of ``producer_tools.lake_tables``. A topic
+may land in two tables (``--samples``: results and samples); both are written from the same
+segment, under the same file name, so everything below holds per table.
 
 Exactly once into the lake
 --------------------------
@@ -46,8 +48,11 @@ chosen boundaries are recorded by the file names themselves, and a crash before 
 a segment leaves nothing behind to conflict with. The sink refuses to run when it finds
 overlapping ranges of one topic-partition (only possible if files were copied in by hand or two
 sinks wrote one partition without the lock). Files copied into a lake by hand must come with
-their ranges: delete ``<lake>/_sink/ranges`` and the next assignment rebuilds it from a scan. Limits: records deleted by retention or compaction
-before a crashed range is replayed cannot be written; the lock needs a file system with working
+their ranges: delete ``<lake>/_sink/ranges`` and the next assignment rebuilds it from a scan. ``alpamayo-producer lake compact``
+(``producer_tools.compact``) merges finished ranges (below the committed offset) into one range
+and one file per directory; every change of the range index, the sink's appends included, holds
+the index's lock, so that no append is lost to the compaction's rewrite. Limits: records deleted
+by retention or compaction before a crashed range is replayed cannot be written; the lock needs a file system with working
 ``flock`` (local disks, NFSv4).
 """
 
@@ -56,7 +61,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import fcntl
-import io
 import logging
 import os
 import signal
@@ -67,166 +71,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 from aiokafka import AIOKafkaConsumer
 from aiokafka.abc import ConsumerRebalanceListener
 from tqdm import tqdm
 
-import schemas as S
 from producer_tools.common import KafkaOptions, ToolError, atomic_write_bytes, client_kwargs
-from producer_tools.lake import (TABLES, append_range, check_ranges, hive_dir, read_range_index, scan_ranges,
+from producer_tools.lake import (append_range, check_ranges, hive_dir, read_range_index, scan_ranges,
                                  segment_file_name, write_range_index)
+from producer_tools.lake_tables import ROW_BUILDERS, rows_to_table, table_bytes
 
 log = logging.getLogger("alpamayo.sink")
 
-__all__ = ["result_row", "dead_letter_row", "rows_to_table", "SinkOptions", "LakeSink", "run_sink"]
+__all__ = ["SinkOptions", "LakeSink", "run_sink"]
 
 
-def _utc_date(ts_ms: int | None, fallback_s: float | None = None) -> str:
-    secs = ts_ms / 1000.0 if ts_ms is not None and ts_ms >= 0 else fallback_s if fallback_s is not None else 0.0
-    return dt.datetime.fromtimestamp(secs, dt.timezone.utc).strftime("%Y-%m-%d")
-
-
-def _ts_ms(ts: int | None) -> dt.datetime | None:
-    return None if ts is None or ts < 0 else dt.datetime.fromtimestamp(ts / 1000.0, dt.timezone.utc)
-
-
-def _ts_s(secs: float | None) -> dt.datetime | None:
-    if secs is None:
-        return None
-    try:
-        return dt.datetime.fromtimestamp(float(secs), dt.timezone.utc)
-    except (OverflowError, OSError, ValueError):
-        return None
-
-
-# --------------------------------------------------------------------------------------------
-# records -> rows
-# --------------------------------------------------------------------------------------------
-
-
-def _lineage(record) -> dict[str, Any]:
-    return {"kafka_topic": record.topic, "kafka_partition": record.partition, "kafka_offset": record.offset,
-            "kafka_timestamp": _ts_ms(record.timestamp), "decode_error": None}
-
-
-def _shape_ok(arr, shape: tuple[int, ...]) -> bool:
-    if not isinstance(arr, list):
-        return False
-    if len(shape) == 0:
-        return True
-    if shape[0] >= 0 and len(arr) != shape[0]:
-        return False
-    return all(_shape_ok(a, shape[1:]) if len(shape) > 1 else isinstance(a, (int, float)) for a in arr)
-
-
-def result_row(record) -> tuple[str | None, dict[str, Any]]:
-    """(run_id, row) of one result record; undecodable values give a row with ``decode_error``."""
-    headers = list(record.headers or ())
-    row: dict[str, Any] = _lineage(record)
-    try:
-        res = S.decode_result(record.value, headers)
-    except S.ContractError as err:
-        key = record.key.decode("utf-8", "replace") if record.key else None
-        row.update(request_id=S.header_value(headers, S.HEADER_REQUEST_ID) or key, decode_error=str(err)[:2000])
-        return S.header_value(headers, S.HEADER_RUN_ID), row
-    m = res.metrics
-    t = m.timings
-    sd = m.speculative_decoding
-    traj = res.pred_trajectories
-    rot = res.pred_rotations
-    problems = []
-    if traj is not None and not _shape_ok(traj, (-1, 64, 3)):
-        problems.append("pred_trajectories is not K x 64 x 3")
-        traj = None
-    if rot is not None:
-        if _shape_ok(rot, (-1, 64, 3, 3)):
-            rot = [[[v for r3 in mat for v in r3] for mat in smp] for smp in rot]
-        else:
-            problems.append("pred_rotations is not K x 64 x 3 x 3")
-            rot = None
-    lin = res.lineage
-    mdl = res.model
-    row.update(
-        request_id=res.request_id, task=res.task, schema_version=res.schema_version, num_samples=res.num_samples,
-        labels=list(res.labels.items()), pred_trajectories=traj, pred_rotations=rot, answer=res.answer,
-        output_texts=[o.text for o in res.outputs], cots=[o.cot for o in res.outputs],
-        meta_actions=[None if o.meta_action is None else
-                      {"longitudinal": o.meta_action.longitudinal, "lateral": o.meta_action.lateral,
-                       "lane": o.meta_action.lane} for o in res.outputs],
-        auto_labels=[None if o.auto_label is None else
-                     {"critical_components_analysis": o.auto_label.critical_components_analysis,
-                      "ego_vehicle_motion_analysis": o.auto_label.ego_vehicle_motion_analysis,
-                      "trajectory_analysis": o.auto_label.trajectory_analysis,
-                      "chain_of_causation": o.auto_label.chain_of_causation} for o in res.outputs],
-        boxes=[None if o.boxes is None else [{"bbox_2d": list(b.bbox_2d), "label": b.label} for b in o.boxes]
-               for o in res.outputs],
-        reasoning_texts=list(m.reasoning_texts), generated_tokens=list(m.generated_tokens),
-        queue_ms=t.queue_ms, image_prep_ms=t.image_prep_ms, prefill_ms=t.prefill_ms, decode_ms=t.decode_ms,
-        diffusion_ms=t.diffusion_ms, total_ms=t.total_ms, warnings=list(res.warnings),
-        model_id=mdl.id, model_profile=mdl.profile, model_precision=mdl.precision,
-        model_checkpoint_hash=mdl.checkpoint_hash, model_speculative_decoding=mdl.speculative_decoding,
-        model_speculative_model=mdl.speculative_model,
-        request_topic=lin.topic if lin else None, request_partition=lin.partition if lin else None,
-        request_offset=lin.offset if lin else None, worker_id=lin.worker_id if lin else None,
-        attempt=lin.attempt if lin else None, replay_of=lin.replay_of if lin else None,
-        completed_at=_ts_s(res.completed_at),
-    )
-    if sd is not None:
-        row.update(spec_num_spec_tokens=sd.num_spec_tokens, spec_num_spec_steps=sd.num_spec_steps,
-                   spec_num_draft_tokens=sd.num_draft_tokens,
-                   spec_num_accepted_draft_tokens=sd.num_accepted_draft_tokens,
-                   spec_draft_acceptance_rate=sd.draft_acceptance_rate,
-                   spec_mean_acceptance_length=sd.mean_acceptance_length,
-                   spec_acceptance_histogram=list(sd.acceptance_histogram),
-                   spec_per_step_accepted=sd.per_step_accepted, spec_per_step_drafted=sd.per_step_drafted)
-    if problems:
-        row["decode_error"] = "; ".join(problems)
-    return res.run_id, row
-
-
-def dead_letter_row(record) -> tuple[str | None, dict[str, Any]]:
-    """(run_id, row) of one dead-letter record."""
-    headers = list(record.headers or ())
-    row: dict[str, Any] = _lineage(record)
-    row["kafka_key"] = record.key
-    try:
-        d = S.decode_dead_letter(record.value, headers)
-    except S.ContractError as err:
-        row.update(request_id=S.header_value(headers, S.HEADER_REQUEST_ID),
-                   error_code=S.header_value(headers, S.HEADER_ERROR_CODE), decode_error=str(err)[:2000])
-        return S.header_value(headers, S.HEADER_RUN_ID), row
-    row.update(
-        request_id=d.request_id, schema_version=d.schema_version, error_code=d.error_code.value,
-        error_field=d.error_field, error_message=d.error_message, retryable=d.retryable,
-        original_value=d.original_value, original_value_truncated=d.original_value_truncated,
-        original_size=d.original_size, original_key=d.original_key,
-        original_headers=[{"key": k, "value": v} for k, v in d.original_headers],
-        source_topic=d.source.topic, source_partition=d.source.partition, source_offset=d.source.offset,
-        attempt=d.attempt, worker_id=d.worker_id, failed_at=_ts_s(d.failed_at))
-    return d.run_id, row
-
-
-_ROW_FN = {"results": result_row, "dead_letters": dead_letter_row}
-
-
-_CONVERT_CHUNK_ROWS = 64     # Arrow's conversion of Python rows holds the GIL: in short calls, so that
-                             # the sink's event loop (another thread) gets it back between them
-
-
-def rows_to_table(rows: list[dict[str, Any]], table: str) -> pa.Table:
-    schema = TABLES[table]
-    if len(rows) <= _CONVERT_CHUNK_ROWS:
-        return pa.Table.from_pylist(rows, schema=schema)
-    return pa.concat_tables([pa.Table.from_pylist(rows[i:i + _CONVERT_CHUNK_ROWS], schema=schema)
-                             for i in range(0, len(rows), _CONVERT_CHUNK_ROWS)])
-
-
-def table_bytes(tbl: pa.Table) -> bytes:
-    buf = io.BytesIO()
-    pq.write_table(tbl, buf, compression="zstd")
-    return buf.getvalue()
+def _utc_date(ts_ms: int | None, fallback: dt.datetime | None = None) -> str:
+    if ts_ms is not None and ts_ms >= 0:
+        return dt.datetime.fromtimestamp(ts_ms / 1000.0, dt.timezone.utc).strftime("%Y-%m-%d")
+    return (fallback or dt.datetime.fromtimestamp(0, dt.timezone.utc)).strftime("%Y-%m-%d")
 
 
 async def _in_thread(fn, *args):
@@ -251,6 +113,8 @@ class SinkOptions:
     group_id: str = "alpamayo-lake-sink"
     include_results: bool = True
     include_dead_letters: bool = True
+    include_samples: bool = False        # results also as one row per sample (table "samples")
+    include_requests: bool = False       # the request topic too (table "requests": no images)
     rotate_rows: int = 10_000
     rotate_seconds: float = 60.0
     until_idle: float | None = None
@@ -265,7 +129,7 @@ class SinkOptions:
 class _Partition:
     topic: str
     partition: int
-    table: str
+    tables: tuple[str, ...]         # the tables this topic's records land in (the first has the ranges)
     lock_fd: int
     replay: list[tuple[int, int]] = field(default_factory=list)   # lake ranges still to finish
     buf: list = field(default_factory=list)
@@ -279,11 +143,13 @@ class LakeSink:
         self.kafka = kafka
         self.opts = opts
         self.lake = Path(opts.lake)
-        self.tables: dict[str, str] = {}
+        self.tables: dict[str, tuple[str, ...]] = {}
         if opts.include_results:
-            self.tables[kafka.result_topic] = "results"
+            self.tables[kafka.result_topic] = ("results", "samples") if opts.include_samples else ("results",)
         if opts.include_dead_letters:
-            self.tables[kafka.dead_letter_topic] = "dead_letters"
+            self.tables[kafka.dead_letter_topic] = ("dead_letters",)
+        if opts.include_requests:
+            self.tables[kafka.request_topic] = ("requests",)
         if not self.tables:
             raise ToolError("nothing to sink: both results and dead letters are excluded")
         self.parts: dict[Any, _Partition] = {}
@@ -372,9 +238,10 @@ class LakeSink:
         for p in parts:
             ranges = read_range_index(self.lake, p.topic, p.partition, repair=True)
             if ranges is None:
-                if p.table not in scanned:
-                    scanned[p.table] = scan_ranges(self.lake, p.table)
-                ranges = scanned[p.table].get((p.topic, p.partition), [])
+                table = p.tables[0]
+                if table not in scanned:
+                    scanned[table] = scan_ranges(self.lake, table)
+                ranges = scanned[table].get((p.topic, p.partition), [])
                 check_ranges(p.topic, p.partition, ranges)
                 write_range_index(self.lake, p.topic, p.partition, ranges)
                 log.info("%s+%s: range index built from a scan of the lake (%d segments)",
@@ -468,21 +335,20 @@ class LakeSink:
         bounds go to the range index first, so a crash between its files leaves a range to finish."""
         if new_range:
             append_range(self.lake, p.topic, p.partition, start, end)
-        groups: dict[tuple[str | None, str], list[dict]] = defaultdict(list)
-        row_fn = _ROW_FN[p.table]
-        for r in records:
-            run_id, row = row_fn(r)
-            date = _utc_date(r.timestamp, row.get("completed_at").timestamp() if row.get("completed_at") else None)
-            groups[(run_id, date)].append(row)
+        groups: dict[tuple[str, str | None, str], list[dict]] = defaultdict(list)
+        for table in p.tables:
+            for r in records:
+                for row in ROW_BUILDERS[table](r):
+                    groups[(table, row.get("run_id"), _utc_date(r.timestamp, row.get("completed_at")))].append(row)
         name = segment_file_name(p.topic, p.partition, start, end)
-        for (run_id, date), rows in sorted(groups.items(), key=lambda kv: (kv[0][0] or "", kv[0][1])):
-            path = hive_dir(self.lake, p.table, run_id, date) / name
+        for (table, run_id, date), rows in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or "", kv[0][2])):
+            path = hive_dir(self.lake, table, run_id, date) / name
             if path.exists():
                 self.stats["files_skipped"] += 1
                 continue
             for stale in path.parent.glob(f".{name}.tmp-*"):      # left by a sink killed mid-write
                 stale.unlink(missing_ok=True)
-            atomic_write_bytes(path, table_bytes(rows_to_table(rows, p.table)))
+            atomic_write_bytes(path, table_bytes(rows_to_table(rows, table)))
             self.stats["files_written"] += 1
             self.stats["rows_written"] += len(rows)
             if self.opts.debug_pause:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from schemas import CONTENT_TYPE_JSON, CONTENT_TYPE_MSGPACK
 from worker.errors import Refusal
 
 PROFILES = ("bf16", "fp8", "bf16-dflash2", "fp8-dflash2")
@@ -23,6 +24,8 @@ SASL = ("SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN")
 DEFAULT_SASL_MECHANISM = "SCRAM-SHA-512"
 MAX_K = 16
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+RESULT_FORMATS = {"msgpack": CONTENT_TYPE_MSGPACK, "json": CONTENT_TYPE_JSON}
+"""ALPAMAYO_RESULT_FORMAT -> the content type of every result and dead letter the worker writes."""
 
 
 class ConfigError(Refusal, ValueError):
@@ -63,6 +66,7 @@ class Settings:
     processing_guarantee: str = "at_least_once"
     review_topic: str | None = None             # results at or above review_threshold are also published here
     review_threshold: float = 0.5
+    result_content_type: str = CONTENT_TYPE_MSGPACK    # ALPAMAYO_RESULT_FORMAT: results and dead letters
     # --- batching, limits, process
     max_batch_size: int = 8
     max_batch_wait_ms: int = 20
@@ -236,6 +240,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         processing_guarantee=guarantee,
         review_topic=env.get("ALPAMAYO_REVIEW_TOPIC") or None,
         review_threshold=review_threshold,
+        result_content_type=RESULT_FORMATS[_choice(env, "ALPAMAYO_RESULT_FORMAT", tuple(RESULT_FORMATS), "msgpack")],
         max_batch_size=_int(env, "ALPAMAYO_MAX_BATCH_SIZE", 8, 1, 256),
         max_batch_wait_ms=_int(env, "ALPAMAYO_MAX_BATCH_WAIT_MS", 20, 0, 60_000),
         max_inflight=_int(env, "ALPAMAYO_MAX_INFLIGHT", 64, 1, 100_000),
@@ -281,6 +286,8 @@ VARIABLES: dict[str, str] = {
     "ALPAMAYO_KAFKA_SASL_PASSWORD": "SASL password (default unset; required with SASL_*)",
     "ALPAMAYO_KAFKA_SSL_CAFILE": "CA certificate (PEM) for SSL/SASL_SSL (default: the system's CA store)",
     "ALPAMAYO_PROCESSING_GUARANTEE": "at_least_once (default) | exactly_once (transactions, read_committed)",
+    "ALPAMAYO_RESULT_FORMAT": "msgpack (default) | json: encoding of results and dead letters (content-type header "
+                              "application/msgpack | application/json)",
     "ALPAMAYO_MAX_BATCH_SIZE": "most requests in one forward batch (default 8)",
     "ALPAMAYO_MAX_BATCH_WAIT_MS": "longest a partial batch waits for mates (default 20)",
     "ALPAMAYO_MAX_INFLIGHT": "requests held before partitions are paused (default 64)",

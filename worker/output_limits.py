@@ -28,7 +28,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
-from schemas import TRUNCATION_HEADER, ContractError, DeadLetter, ErrorCode, dead_letter_key, encode_dead_letter
+from schemas import (CONTENT_TYPE_JSON, CONTENT_TYPE_MSGPACK, TRUNCATION_HEADER, ContractError, DeadLetter, ErrorCode,
+                     dead_letter_key, encode_dead_letter)
 
 __all__ = ["OutputLimits", "record_size", "producer_max_request_size", "read_output_limits", "check_result_fits",
            "fit_dead_letter",
@@ -112,17 +113,19 @@ def check_result_fits(key: bytes, value: bytes, headers: list[tuple[str, bytes]]
                             f"{max_bytes}-byte limit of the results topic and producer")
 
 
-def _encoded_size(dl: DeadLetter) -> tuple[int, bytes, list[tuple[str, bytes]]]:
-    value, headers = encode_dead_letter(dl)
+def _encoded_size(dl: DeadLetter, content_type: str) -> tuple[int, bytes, list[tuple[str, bytes]]]:
+    value, headers = encode_dead_letter(dl, content_type)
     return record_size(dead_letter_key(dl), value, headers), value, headers
 
 
-def fit_dead_letter(dl: DeadLetter, max_bytes: int) -> tuple[DeadLetter, bytes, list[tuple[str, bytes]]]:
-    """(the dead letter, its encoded value, its headers), cut so that its record fits ``max_bytes``.
+def fit_dead_letter(dl: DeadLetter, max_bytes: int, content_type: str = CONTENT_TYPE_MSGPACK
+                    ) -> tuple[DeadLetter, bytes, list[tuple[str, bytes]]]:
+    """(the dead letter, its encoded value, its headers), cut so that its record fits ``max_bytes``
+    once encoded as ``content_type`` (JSON carries the bytes as base64: 4 characters per 3 bytes).
     Unchanged when it fits already. Raises ValueError when even the cut one does not fit (a limit
     smaller than the dead letter's own fields)."""
     if len(dl.original_value) < max_bytes:     # (a larger value cannot fit: skip encoding it whole)
-        size, value, headers = _encoded_size(dl)
+        size, value, headers = _encoded_size(dl, content_type)
         if size <= max_bytes:
             return dl, value, headers
     cut: list[str] = []
@@ -145,15 +148,17 @@ def fit_dead_letter(dl: DeadLetter, max_bytes: int) -> tuple[DeadLetter, bytes, 
     original = dl.original_value
     dl = msgspec.structs.replace(dl, original_key=key, original_headers=kept + marker, original_value=b"",
                                  original_size=dl.original_size if dl.original_size is not None else len(original))
-    room = max_bytes - _encoded_size(dl)[0] - 16      # msgpack's bin length prefix grows with the value
+    room = max_bytes - _encoded_size(dl, content_type)[0] - 16      # msgpack's bin length prefix grows with the value
     if room < 0:      # a tiny limit: keep only the marker
         dl = msgspec.structs.replace(dl, original_key=None,
                                      original_headers=[(TRUNCATION_HEADER, f"key={len(dl.original_key or b'')},"
                                                                            f"headers={total}".encode())])
-        room = max_bytes - _encoded_size(dl)[0] - 16
+        room = max_bytes - _encoded_size(dl, content_type)[0] - 16
+    if content_type == CONTENT_TYPE_JSON:
+        room = room * 3 // 4 - 3
     dl = msgspec.structs.replace(dl, original_value=original[:max(0, room)],
                                  original_value_truncated=dl.original_value_truncated or len(original) > room)
-    size, value, headers = _encoded_size(dl)
+    size, value, headers = _encoded_size(dl, content_type)
     if size > max_bytes:
         raise ValueError(f"a dead letter without its original bytes is {size} bytes, above the {max_bytes}-byte "
                          "limit")

@@ -90,11 +90,11 @@ class Output:
 
 
 def result_output(tp: TP, offset: int, epoch: int, topic: str, result: InferResult, max_bytes: int,
-                  review_topic: str | None = None, review_threshold: float = 1.0) -> Output:
-    """The result's output; also bound for ``review_topic`` when its uncertainty is at or above
-    ``review_threshold``. Raises an ``oversize`` ContractError when the result's record exceeds
-    ``max_bytes``."""
-    value, headers = encode_result(result)
+                  content_type: str, review_topic: str | None = None, review_threshold: float = 1.0) -> Output:
+    """The result encoded as ``content_type`` (``ALPAMAYO_RESULT_FORMAT``); also bound for
+    ``review_topic`` when its uncertainty is at or above ``review_threshold``. Raises an
+    ``oversize`` ContractError when the result's record exceeds ``max_bytes``."""
+    value, headers = encode_result(result, content_type)
     key = result_key(result.request_id)
     check_result_fits(key, value, headers, max_bytes)
     doubtful = result.uncertainty is not None and result.uncertainty.uncertainty >= review_threshold
@@ -102,9 +102,11 @@ def result_output(tp: TP, offset: int, epoch: int, topic: str, result: InferResu
                   review_topic=review_topic if doubtful else None)
 
 
-def dead_letter_output(tp: TP, offset: int, epoch: int, topic: str, dl: DeadLetter, max_bytes: int) -> Output:
-    """The dead letter cut to fit ``max_bytes`` (:func:`worker.output_limits.fit_dead_letter`)."""
-    dl, value, headers = fit_dead_letter(dl, max_bytes)
+def dead_letter_output(tp: TP, offset: int, epoch: int, topic: str, dl: DeadLetter, max_bytes: int,
+                       content_type: str) -> Output:
+    """The dead letter encoded as ``content_type``, cut to fit ``max_bytes``
+    (:func:`worker.output_limits.fit_dead_letter`)."""
+    dl, value, headers = fit_dead_letter(dl, max_bytes, content_type)
     return Output(tp, offset, epoch, topic, dead_letter_key(dl), value, headers, error_code=dl.error_code.value,
                   request_id=dl.request_id)
 

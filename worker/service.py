@@ -386,7 +386,8 @@ class WorkerService:
             out = self.intake.dead_letter(out if isinstance(out, BaseException) else RuntimeError(str(out)), rec)
         self.stats.dead_letter(out)
         self.publisher.submit([dead_letter_output(tp, rec.offset, epoch, self.settings.dead_letter_topic, out,
-                                                  self.output_limits.dead_letter_bytes)])
+                                                  self.output_limits.dead_letter_bytes,
+                                                  self.settings.result_content_type)])
 
     # ------------------------------------------------------------------ engine
     async def _batch_loop(self, loop) -> None:
@@ -454,7 +455,8 @@ class WorkerService:
                 total_ms = max(queue_ms, (time.time() - job.origin_at) * 1000.0)
                 result = self.engine.to_result(job.request, res, lineage, queue_ms, total_ms, job.warnings)
                 return result_output(job.tp, job.offset, job.epoch, s.result_topic, result,
-                                     self.output_limits.result_bytes, s.review_topic, s.review_threshold)
+                                     self.output_limits.result_bytes, s.result_content_type,
+                                     s.review_topic, s.review_threshold)
             except ContractError as exc:        # oversize: the result does not fit its topic
                 err = exc
             except ValueError as exc:
@@ -464,7 +466,7 @@ class WorkerService:
         dl = job.dead_letter(err, s.worker_id)
         self.stats.dead_letter(dl)
         return dead_letter_output(job.tp, job.offset, job.epoch, s.dead_letter_topic, dl,
-                                  self.output_limits.dead_letter_bytes)
+                                  self.output_limits.dead_letter_bytes, s.result_content_type)
 
     # ------------------------------------------------------------------ monitor
     async def _monitor_loop(self) -> None:

@@ -117,10 +117,11 @@ def topic_partition(topic="res", partition=0):
 
 
 async def sink_pass(lake: Path, records: list[Rec], consumer: FakeConsumer, rotate_rows: int,
-                     crash_after_files: int | None = None, monkeypatch=None) -> K.LakeSink:
-    """One sink process lifetime: assignment, records from the committed/seeked position, final flush."""
+                    crash_after_files: int | None = None, monkeypatch=None, **opts) -> K.LakeSink:
+    """One sink process lifetime: assignment, records from the committed/seeked position, final flush.
+    ``opts``: more SinkOptions (include_samples, include_requests)."""
     sink = K.LakeSink(KAFKA, K.SinkOptions(lake=str(lake), rotate_rows=rotate_rows, rotate_seconds=1e9,
-                                           progress=False))
+                                           progress=False, **opts))
     sink.consumer = consumer
     tp = topic_partition(records[0].topic, records[0].partition)
     written = [0]

@@ -9,6 +9,7 @@ import pytest
 
 import schemas as S
 from producer_tools import lake as LK
+from producer_tools import lake_tables as T
 from producer_tools import sink as K
 from producer_tools.common import ToolError
 
@@ -21,12 +22,12 @@ def test_result_and_dead_letter_rows_fit_the_fixed_schemas():
     for i, task in enumerate(S.TASKS):
         res = make_result(f"r:{task}", "r", i, task=task, k=2)
         v, h = S.encode_result(res)
-        run, row = K.result_row(Rec("res", 0, i, 1_700_000_000_000, b"k", v, tuple(h)))
-        assert run == "r" and row["decode_error"] is None
+        [row] = T.result_rows(Rec("res", 0, i, 1_700_000_000_000, b"k", v, tuple(h)))
+        assert row["run_id"] == "r" and row["scene_id"] == f"s{i}" and row["decode_error"] is None
         rows.append(row)
-    run, bad = K.result_row(Rec("res", 0, 9, 1_700_000_000_000, b"key-9", b"\xc1", ((S.HEADER_RUN_ID, b"r"),)))
-    assert run == "r" and bad["request_id"] == "key-9" and "undecodable_bytes" in bad["decode_error"]
-    tbl = K.rows_to_table(rows + [bad], "results")
+    [bad] = T.result_rows(Rec("res", 0, 9, 1_700_000_000_000, b"key-9", b"\xc1", ((S.HEADER_RUN_ID, b"r"),)))
+    assert bad["run_id"] == "r" and bad["request_id"] == "key-9" and "undecodable_bytes" in bad["decode_error"]
+    tbl = T.rows_to_table(rows + [bad], "results")
     assert tbl.schema == LK.RESULT_SCHEMA
     traj = tbl.column("pred_trajectories")[0].as_py()
     assert len(traj) == 2 and len(traj[0]) == 64 and len(traj[0][0]) == 3
@@ -35,11 +36,10 @@ def test_result_and_dead_letter_rows_fit_the_fixed_schemas():
     assert tbl.column("pred_rotations")[0].as_py()[0][0] == [1.0, 0, 0, 0, 1.0, 0, 0, 0, 1.0]
     dl = make_dead_letter("r:x", "r")
     v, h = S.encode_dead_letter(dl)
-    run, row = K.dead_letter_row(Rec("dlq", 1, 4, 1_700_000_000_000, b"r:x", v, tuple(h)))
-    t = K.rows_to_table([row], "dead_letters")
+    t = T.rows_to_table(T.dead_letter_rows(Rec("dlq", 1, 4, 1_700_000_000_000, b"r:x", v, tuple(h))), "dead_letters")
     assert t.schema == LK.DEAD_LETTER_SCHEMA
     assert t.column("error_code")[0].as_py() == "inference_failed" and t.column("retryable")[0].as_py()
-    assert t.column("original_value")[0].as_py() == dl.original_value
+    assert t.column("original_value")[0].as_py() == dl.original_value and t.column("run_id")[0].as_py() == "r"
 
 
 async def test_sink_rotates_by_rows_per_partition_and_names_files_by_offsets(tmp_path):

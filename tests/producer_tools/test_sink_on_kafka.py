@@ -11,6 +11,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 import schemas as S
 from producer_tools import lake as LK
+from producer_tools import lake_tables as T
 from producer_tools import sink as K
 from producer_tools.common import KafkaOptions, atomic_write_bytes
 
@@ -54,9 +55,9 @@ async def test_a_replay_cut_short_on_the_broker_loses_no_record(kafka_bootstrap,
     res_t, dl_t = await topic_factory(1, prefix="sres"), await topic_factory(1, prefix="sdl")
     lake, tp, group = tmp_path / "lake", TopicPartition(res_t, 0), f"g-sink-{uuid.uuid4().hex[:8]}"
     recs = [_record(res_t, o) for o in range(4)]
-    ra_rows = [K.result_row(recs[o])[1] for o in (0, 3)]
+    ra_rows = [T.result_rows(recs[o])[0] for o in (0, 3)]
     atomic_write_bytes(LK.hive_dir(lake, "results", "ra", K._utc_date(TS)) / LK.segment_file_name(res_t, 0, 0, 3),
-                       K.table_bytes(K.rows_to_table(ra_rows, "results")))
+                       T.table_bytes(T.rows_to_table(ra_rows, "results")))
     await _produce(kafka_bootstrap, recs[:2])
     kafka = KafkaOptions(bootstrap_servers=kafka_bootstrap, request_topic="unused", result_topic=res_t,
                          dead_letter_topic=dl_t)

@@ -7,8 +7,9 @@
   sits between data files / before its offset commit), restarted with other rotation sizes -> no
   duplicate and no missing row;
 * a run of mixed scenes (all five tasks, claim-checked and inline images, one request the worker
-  must dead-letter) -> ``python -m worker serve`` -> ``sink`` -> ``audit`` says complete; then
-  ``dlq replay`` re-publishes the dead letter's original bytes with lineage headers.
+  must dead-letter) -> ``python -m worker serve`` (``ALPAMAYO_RESULT_FORMAT=json``: every output is
+  read by a plain ``json.loads``) -> ``sink`` -> ``audit`` says complete; then ``dlq replay``
+  re-publishes the dead letter's original bytes with lineage headers.
 """
 
 from __future__ import annotations
@@ -270,7 +271,7 @@ async def test_mixed_run_through_worker_sink_and_audit_is_complete(kafka_bootstr
         "ALPAMAYO_HTTP_HOST": "127.0.0.1", "ALPAMAYO_HTTP_PORT": str(port),
         "ALPAMAYO_MAX_REASONING_TOKENS": "4", "ALPAMAYO_MAX_BATCH_SIZE": "4", "ALPAMAYO_MAX_BATCH_WAIT_MS": "50",
         "ALPAMAYO_CLAIM_CHECK_ROOTS": f"file://{store}/", "ALPAMAYO_CACHE": str(tmp_path / "cache"),
-        "ALPAMAYO_LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "1"}, log)
+        "ALPAMAYO_RESULT_FORMAT": "json", "ALPAMAYO_LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "1"}, log)
     try:
         kafka = KafkaOptions(bootstrap_servers=kafka_bootstrap, request_topic=req_t, result_topic=res_t,
                              dead_letter_topic=dl_t)
@@ -278,7 +279,8 @@ async def test_mixed_run_through_worker_sink_and_audit_is_complete(kafka_bootstr
         runs = tmp_path / "runs"
         n_scenes = 3
         opts = P.PublishOptions(tasks=list(S.TASKS), mix="all", run_id=run_id, runs_dir=str(runs), max_tokens=4,
-                                object_store=f"file://{store}", claim_check_threshold=20_000, progress=False)
+                                object_store=f"file://{store}", claim_check_threshold=20_000, progress=False,
+                                ground_truth=True)
         _, items = iter_synthetic(n_scenes, seed=40)
         s1 = await P.publish(kafka, items, opts, total_scenes=n_scenes)
         assert s1["published"] == n_scenes * 5 and 0 < s1["claim_checked"] < s1["published"]
@@ -294,7 +296,7 @@ async def test_mixed_run_through_worker_sink_and_audit_is_complete(kafka_bootstr
         lake = tmp_path / "lake"
         sink_args = ["sink", "--lake", str(lake), "--bootstrap-servers", kafka_bootstrap, "--result-topic", res_t,
                      "--dead-letter-topic", dl_t, "--group-id", f"g-lake-{run_id}", "--rotate-rows", "4",
-                     "--until-idle", "4", "--no-progress"]
+                     "--until-idle", "4", "--no-progress", "--samples", "--requests", "--request-topic", req_t]
         deadline = time.monotonic() + 150
         while True:
             p = _cli(*sink_args)
@@ -310,7 +312,27 @@ async def test_mixed_run_through_worker_sink_and_audit_is_complete(kafka_bootstr
         assert bad.failed == [bad_id] and bad.failed_codes == {"k_not_served": 1}
         assert main(["audit", run_id, "--lake", str(lake), "--runs-dir", str(runs)]) == 0       # COMPLETE
         assert main(["audit", bad_run, "--lake", str(lake), "--runs-dir", str(runs)]) == 1      # FAILED
+        # ALPAMAYO_RESULT_FORMAT=json: plain JSON on both output topics, said so by the header
+        for topic, n, rid in ((res_t, n_scenes * 5, run_id), (dl_t, 1, bad_run)):
+            for rec in await _consume_all(kafka_bootstrap, topic, n):
+                assert dict(rec.headers)["content-type"] == b"application/json"
+                assert json.loads(rec.value)["run_id"] == rid
+        # the requests table (ground truth on every request with ego history), then compaction
+        reqs = {r["request_id"]: r for r in LK.read_lake(lake, "requests", run_id=run_id).to_pylist()}
+        assert len(reqs) == rep.published
+        assert LK.read_lake(lake, "requests", run_id=bad_run).to_pylist()[0]["temperature"] == 0.6
+        assert all(len(r["ego_future_xyz"]) == 64 for r in reqs.values() if r["task"] in S.TASKS_NEEDING_EGOMOTION)
+        n_files = len(_segment_files(lake))
+        p = _cli("lake", "compact", "--lake", str(lake), "--group-id", f"g-lake-{run_id}",
+                 "--bootstrap-servers", kafka_bootstrap)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err.decode()[-3000:]
+        assert json.loads(out)["ranges_merged"] > 0 and len(_segment_files(lake)) < n_files
+        rep = audit_run(run_id, str(lake), runs_dir=str(runs))
+        assert rep.complete and rep.lake_duplicates == [] and rep.landed == rep.published
         results = LK.read_lake(lake, "results", run_id=run_id)
+        samples = LK.read_lake(lake, "samples", run_id=run_id, columns=["request_id"]).column("request_id")
+        assert sorted(set(samples.to_pylist())) == sorted(results.column("request_id").to_pylist())
         assert sorted(set(results.column("task").to_pylist())) == sorted(S.TASKS)
         traj = [r for r in results.to_pylist() if r["task"] == "trajectory"]
         assert all(len(r["pred_trajectories"]) == 1 and len(r["pred_trajectories"][0]) == 64 for r in traj)

@@ -50,10 +50,16 @@ def test_bad_k_list(raw):
     ("NIM_MODEL_PROFILE", "fp16"), ("NIM_PRECISION", "fp16-dflash2"), ("NIM_ALPAMAYO_SPEC_METRICS", "full"),
     ("ALPAMAYO_PROCESSING_GUARANTEE", "exactly-once"), ("ALPAMAYO_KAFKA_SECURITY_PROTOCOL", "TLS"),
     ("ALPAMAYO_KAFKA_SASL_MECHANISM", "GSSAPI"), ("ALPAMAYO_DEVICE", "tpu"), ("ALPAMAYO_LOG_LEVEL", "LOUD"),
+    ("ALPAMAYO_RESULT_FORMAT", "xml"),
 ])
 def test_bad_choices_name_the_variable_and_the_choices(name, value):
     msg = refused({name: value}, name, value)
     assert "use one of" in msg
+
+
+def test_result_format_picks_the_content_type_of_every_output():
+    assert load_settings({}).result_content_type == "application/msgpack"
+    assert load_settings({"ALPAMAYO_RESULT_FORMAT": "json"}).result_content_type == "application/json"
 
 
 def test_sasl_without_credentials():

@@ -1,6 +1,9 @@
 """Output size limits: dead letters cut to fit, results over the limit refused as ``oversize``,
 replay lineage headers read by intake. The broker side: test_service_poison.py."""
 
+import base64
+import json
+
 import msgspec
 import pytest
 
@@ -11,7 +14,10 @@ from worker.engine import default_seed
 from worker.intake import Intake, Job, RawRecord, replay_lineage
 from worker.output_limits import (KEPT_HEADER_BYTES, KEPT_KEY_BYTES, check_result_fits, fit_dead_letter,
                                   producer_max_request_size, record_size)
+from worker.publisher import dead_letter_output, result_output
 from worker.scenes.request import build_request
+
+from tests.producer_tools.sink_harness import make_result
 
 MiB = 1 << 20
 
@@ -33,6 +39,28 @@ def test_a_dead_letter_over_the_limit_is_cut_to_fit_with_a_marker(limit):
     assert dl.original_size == 900 << 10 and dl.original_value == b"v" * len(dl.original_value)
     assert dl.original_value_truncated == (len(dl.original_value) < 900 << 10)
     assert _item_from_dl(dl, "dl:0:1", b"r").truncated                # dlq replay refuses it
+
+
+@pytest.mark.parametrize("limit", [MiB, 64 << 10])
+def test_a_json_dead_letter_is_cut_to_fit_and_read_by_a_plain_json_decoder(limit):
+    """ALPAMAYO_RESULT_FORMAT=json: base64 makes the original bytes 4/3 larger; still within the limit."""
+    dl, value, headers = fit_dead_letter(poison(), limit, S.CONTENT_TYPE_JSON)
+    assert record_size(S.dead_letter_key(dl), value, headers) <= limit
+    assert dict(headers)["content-type"] == b"application/json"
+    doc = json.loads(value)
+    assert doc["error_code"] == "missing_egomotion" and base64.b64decode(doc["original_value"]) == dl.original_value
+    assert len(dl.original_value) > limit // 2 and S.decode_dead_letter(value, headers) == dl
+
+
+def test_json_outputs_carry_their_content_type_and_parse_as_plain_json():
+    res = make_result("r-json", "run-j")
+    out = result_output(("req", 0), 5, 1, "res", res, MiB, S.CONTENT_TYPE_JSON)
+    assert dict(out.headers)["content-type"] == b"application/json"
+    doc = json.loads(out.value)
+    assert (doc["request_id"], doc["run_id"], len(doc["pred_trajectories"][0])) == ("r-json", "run-j", 64)
+    out = dead_letter_output(("req", 0), 6, 1, "dl", poison(value=b"v", key=b"k", headers=[]), MiB,
+                             S.CONTENT_TYPE_JSON)
+    assert dict(out.headers)["content-type"] == b"application/json" and json.loads(out.value)["original_value"] == "dg=="
 
 
 def test_a_dead_letter_that_fits_is_unchanged_and_replayable():
