@@ -222,10 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--json", action="store_true", help="print the report as JSON")
 
     # -- lake ---------------------------------------------------------------------------------
-    lp = sub.add_parser("lake", help="lake maintenance")
+    lp = _command(sub, "lake", "lake maintenance", "lake compact --lake lake/ --group-id alpamayo-lake-sink")
     lsub = lp.add_subparsers(dest="lake_command", required=True, metavar="compact")
-    lc = lsub.add_parser("compact", help="merge small segment files of finished ranges (safe next to running "
-                                         "sinks), e.g. lake compact --lake lake/ --group-id alpamayo-lake-sink")
+    lc = _command(lsub, "compact", "merge small segment files of finished ranges (safe next to running sinks)",
+                  "lake compact --lake lake/ --group-id alpamayo-lake-sink",
+                  "lake compact --lake lake/ --target-rows 50000 --bootstrap-servers kafka:9092")
     lc.add_argument("--lake", required=True, help="lake root directory")
     lc.add_argument("--group-id", default="alpamayo-lake-sink",
                     help="the sink's consumer group: only ranges below its committed offsets are merged "

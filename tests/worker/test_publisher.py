@@ -340,7 +340,7 @@ async def test_exactly_once_doubtful_results_go_to_the_review_topic_in_the_same_
         t.add(TP0, off)
     prods, cons = FakePartitionProducers([TP0]), FakeConsumer([TP0])
     pub = Publisher(prods, cons, t, "grp", exactly_once=True, tp_factory=FakeTP)
-    outs = [result_output(TP0, i, e0, "results", _result(rid, u), 1 << 20, "review", 0.5)
+    outs = [result_output(TP0, i, e0, "results", _result(rid, u), 1 << 20, S.CONTENT_TYPE_MSGPACK, "review", 0.5)
             for i, (rid, u) in enumerate([("k1", None), ("low", 0.49), ("at", 0.5), ("high", 0.9)])]
     assert [o.topics for o in outs] == [["results"], ["results"], ["results", "review"], ["results", "review"]]
     pub.submit(outs)
@@ -349,7 +349,7 @@ async def test_exactly_once_doubtful_results_go_to_the_review_topic_in_the_same_
     assert txn["committed"] and txn["offsets"] == ({TP0: 4}, "grp")
     assert txn["sends"] == [("results", b"k1"), ("results", b"low"), ("results", b"at"), ("review", b"at"),
                             ("results", b"high"), ("review", b"high")]
-    assert result_output(TP0, 0, e0, "results", _result("x", 0.9), 1 << 20).topics == ["results"]   # no topic set
+    assert result_output(TP0, 0, e0, "results", _result("x", 0.9), 1 << 20, S.CONTENT_TYPE_MSGPACK).topics == ["results"]   # no topic set
 
 
 async def test_at_least_once_commits_after_the_review_copy_is_acknowledged():
@@ -358,7 +358,7 @@ async def test_at_least_once_commits_after_the_review_copy_is_acknowledged():
     t.add(TP0, 0)
     prod, cons = FakeProducer(), FakeConsumer([TP0])
     pub = Publisher(prod, cons, t, "g", exactly_once=False, tp_factory=FakeTP)
-    pub.submit([result_output(TP0, 0, e, "results", _result("high", 0.9), 1 << 20, "review", 0.5)])
+    pub.submit([result_output(TP0, 0, e, "results", _result("high", 0.9), 1 << 20, S.CONTENT_TYPE_MSGPACK, "review", 0.5)])
     flush = asyncio.create_task(pub.flush())
     await asyncio.sleep(0.05)
     assert [s[0] for s in prod.sent] == ["results", "review"] and cons.commits == []
