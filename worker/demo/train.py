@@ -259,9 +259,6 @@ class TrainConfig:
     expert_repeats: int = 4              # noise draws per trajectory row and step
     kv_grad_scale: float = 1.0           # share of the expert's gradient that flows into the VLM's K/V
     key_weights: tuple[float, float] = (10.0, 3.0)  # light words, lead words (see token_weights)
-    # learning-rate multiplier of the text layers' q/k projections: small, so that the first steps
-    # do not learn to attend to the text alone and lose the pictures (see docs/demo-model.md)
-    text_qk_lr_scale: float = 1.0
     # examples of each task per step; rows of one group share a forward (similar lengths)
     per_step: tuple[tuple[str, int], ...] = (
         ("trajectory", 5), ("meta_action", 2), ("vqa", 2), ("grounding", 2), ("auto_labeling", 1))
@@ -432,12 +429,9 @@ def train(model, runtime: AlpamayoRuntime, examples: Sequence[Example], c: Train
     params = [p for p in model.parameters() if p.requires_grad]
     vlm_params = [p for p in model.vlm.parameters() if p.requires_grad]
     expert_params = [p for p in model.expert.parameters() if p.requires_grad]
-    qk = {id(m.weight) for layer in model.language_model.layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj)}
-    opt = torch.optim.AdamW(
-        [{"params": [p for p in params if p.ndim >= 2 and id(p) not in qk], "weight_decay": c.weight_decay},
-         {"params": [p for p in params if id(p) in qk], "weight_decay": c.weight_decay, "lr_scale": c.text_qk_lr_scale},
-         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-        lr=c.lr, betas=(0.9, 0.98))
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": c.weight_decay},
+                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=c.lr, betas=(0.9, 0.98))
     model.train()
     t0, c0 = time.perf_counter(), time.process_time()
     hist: list[dict] = []
@@ -449,7 +443,7 @@ def train(model, runtime: AlpamayoRuntime, examples: Sequence[Example], c: Train
             weight_total = float(sum(float(e.weights.sum()) for g in groups for e in g))
             traj_total = max(1, sum(e.task == "trajectory" for g in groups for e in g))
             for g in opt.param_groups:
-                g["lr"] = lr_at(step, c) * g.get("lr_scale", 1.0)
+                g["lr"] = lr_at(step, c)
             opt.zero_grad(set_to_none=True)
             ce_sum = w_sum = 0.0
             flow = []
