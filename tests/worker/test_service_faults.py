@@ -1,29 +1,37 @@
-"""The worker around a faulty engine, against a real Apache Kafka (the conftest's local broker).
+"""The worker around faulty parts, against a real Apache Kafka (the conftest's local broker).
 
 In-process workers (:class:`worker.process.WorkerThread`, tiny random checkpoint, CPU) whose real
 engine has the faults a GPU has (:class:`FaultyEngine`): a batch that raises, a batch that takes
-longer than anyone waits.
+longer than anyone waits; and whose real consumer meets a commit refused (``CommitFailedError``,
+as during a rebalance) and a stop landing while a fetch returns.
 
 * an engine failure becomes an ``inference_failed`` dead letter of the failing scene only; its
   batch-mate is answered and the worker keeps serving;
 * backpressure: with ``ALPAMAYO_MAX_INFLIGHT`` records fetched and unfinished the partitions are
   paused (nothing more is fetched), and resumed when the engine frees a slot;
 * a drain that times out with the engine busy exits 0 in time, commits up to the busy record
-  only, never publishes the busy batch's late output, and the restarted worker answers the rest.
+  only, never publishes the busy batch's late output, and the restarted worker answers the rest;
+* at_least_once: an offset commit that fails is retried on a timer while the worker is idle (no
+  further output arrives to carry it): the group's committed offset catches up within seconds;
+* a stop requested while a fetch returns (the fetch loop ends in the same turn as the stop) is a
+  drain, exit 0, not a fatal "task fetch ended" (the race fixed in 1bdfe70).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
 import pytest
+from aiokafka.errors import CommitFailedError
 
 import schemas as S
 from worker.config import load_settings
 from worker.engine import Engine
 from worker.process import WorkerThread
+from worker.publisher import COMMIT_RETRY_S
 from worker.service import longest_stop_s
 
 from tests.worker.kafka_harness import (collect, committed_offsets, free_port, produce, request_item,
@@ -171,3 +179,59 @@ async def test_a_drain_timeout_with_the_engine_busy_commits_only_finished_work_a
         assert again.stop() == 0
     assert {i: len(v) for i, v in out.by_id.items()} == {i: 1 for i in ids}
     assert await committed_offsets(kafka_bootstrap, group, req_t, [0]) == {0: 4}
+
+
+async def test_a_failed_commit_is_retried_while_the_worker_is_idle(kafka_bootstrap, topic_factory, tiny, scene):
+    """The broker refuses the first two offset commits (CommitFailedError through the real client's
+    commit); no request arrives after the three answered: the retry timer alone commits offset 3."""
+    ckpt, _ = tiny
+    req_t, res_t, dl_t = await topics(topic_factory)
+    name, group = unique("commit"), unique("g-commit")
+    env = worker_env(kafka_bootstrap, req_t, res_t, dl_t, group, name, free_port(), ckpt)
+    reqs = trajectory_requests(scene, 3, "commit")
+    w, _ = await start(env)
+    consumer = w.service.consumer
+    real_commit, refused = consumer.commit, []
+
+    async def refuse_twice(offsets=None):
+        if len(refused) < 2:
+            refused.append(offsets)
+            raise CommitFailedError()
+        return await real_commit(offsets)
+
+    consumer.commit = refuse_twice
+    try:
+        await produce(kafka_bootstrap, req_t, [request_item(r) for r in reqs])
+        await collect(kafka_bootstrap, res_t, dl_t, [r.request_id for r in reqs], partitions=1, timeout=120)
+        deadline = time.monotonic() + 10 * COMMIT_RETRY_S + 10
+        while (committed := await committed_offsets(kafka_bootstrap, group, req_t, [0])) != {0: 3}:
+            assert time.monotonic() < deadline, f"committed {committed} while idle after {len(refused)} refusals"
+            await asyncio.sleep(0.2)
+        assert len(refused) == 2 and w.service.publisher.commit_failures == 2
+    finally:
+        assert w.stop() == 0
+
+
+async def test_a_stop_landing_while_a_fetch_returns_is_a_drain_not_a_failure(
+        kafka_bootstrap, topic_factory, tiny, scene, caplog):
+    caplog.set_level(logging.INFO, logger="alpamayo.worker")
+    ckpt, _ = tiny
+    req_t, res_t, dl_t = await topics(topic_factory)
+    name = unique("stop")
+    env = worker_env(kafka_bootstrap, req_t, res_t, dl_t, f"g-{name}", name, free_port(), ckpt)
+    w, _ = await start(env)
+    service, consumer = w.service, w.service.consumer
+    real_getmany = consumer.getmany
+
+    async def getmany_then_stop(*a, **kw):     # the fetch loop sees the stop as soon as getmany returns
+        data = await real_getmany(*a, **kw)
+        service.request_stop()
+        return data
+
+    consumer.getmany = getmany_then_stop
+    deadline = time.monotonic() + 60
+    while w.exit_code is None:
+        assert time.monotonic() < deadline, "the stop requested during a fetch never ended the worker"
+        await asyncio.sleep(0.1)
+    assert w.exit_code == 0, "a stop during a fetch ended the worker as a failure"
+    assert "drained: every fetched record published and committed" in caplog.text
