@@ -314,7 +314,8 @@ async def test_sigterm_drains_in_flight_work_commits_and_nothing_is_redelivered(
     n = 10
     reqs = trajectory_requests(scene, n, "term")
     await produce(kafka_bootstrap, req_t, [request_item(r) for r in reqs])
-    env = worker_env(kafka_bootstrap, req_t, res_t, dl_t, "g-term", "w-term", free_port(), ckpt)
+    group = unique("g-term")
+    env = worker_env(kafka_bootstrap, req_t, res_t, dl_t, group, unique("w-term"), free_port(), ckpt)
     first = Proc(env, tmp_path / "first.log")
     procs.append(first)
     statuses = await first.wait_ready()
@@ -335,7 +336,7 @@ async def test_sigterm_drains_in_flight_work_commits_and_nothing_is_redelivered(
     assert len(partial.by_id) < n, "SIGTERM came after all work was done: nothing was in flight"
     out = await collect(kafka_bootstrap, res_t, dl_t, partitions=1, expected=[r.request_id for r in reqs], timeout=10)
     assert {i: len(v) for i, v in out.by_id.items()} == {r.request_id: 1 for r in reqs}  # drained, not dropped
-    assert await committed_offsets(kafka_bootstrap, "g-term", req_t, [0]) == {0: n}
+    assert await committed_offsets(kafka_bootstrap, group, req_t, [0]) == {0: n}
     assert "drained: every fetched record published and committed" in first.tail(80)
 
     # restart: nothing old comes back; a new request is answered (after anything re-delivered)
