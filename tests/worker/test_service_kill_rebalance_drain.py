@@ -126,7 +126,8 @@ async def test_sigkill_mid_run_and_restart_answers_everything(
             assert time.monotonic() < deadline, first.tail()
             await asyncio.sleep(0.1)
         if guarantee == "exactly_once":
-            await kill_in_an_open_transaction(first, kafka_bootstrap, [res_t, dl_t])
+            tries = await kill_in_an_open_transaction(first, kafka_bootstrap, [res_t, dl_t])
+            print(f"killed in an open transaction after {tries} SIGSTOP probes")
         else:
             first.signal(signal.SIGKILL)
         assert await first.wait_exit(30) == -signal.SIGKILL
@@ -155,6 +156,7 @@ async def test_sigkill_mid_run_and_restart_answers_everything(
         raw = await collect(kafka_bootstrap, res_t, dl_t, partitions=1, expected=[r.request_id for r in reqs],
                             timeout=30, isolation="read_uncommitted")
         aborted = sum(map(len, raw.by_id.values())) - len(reqs)
+        print(f"{aborted} output records of aborted transactions, {len(p1)} requests streamed to partition 1")
         assert aborted > 0, "the kill did not land in an open transaction"
     second.signal(signal.SIGTERM)
     assert await second.wait_exit(90) == 0, second.tail()
