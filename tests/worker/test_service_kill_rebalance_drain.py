@@ -1,10 +1,12 @@
 """The worker against a real Apache Kafka (the conftest's local KRaft broker): processes killed,
 groups rebalanced, shutdowns drained.
 
-1. SIGKILL with non-contiguous work in flight, then a restart: everything answered; with
+1. SIGKILL with non-contiguous completed work (checked at the kill), exactly_once inside an open
+   transaction (checked: its records are aborted), then a restart: everything answered; with
    exactly_once never two committed outputs (read_committed), and all offsets committed;
-2. rebalances with a backlog in flight (a member joins and leaves) lose and repeat nothing; then
-   two workers split the partitions and each serves exactly its own;
+2. rebalances with a backlog in flight (a member joins and leaves, then a second worker takes
+   partitions holding queued work): exactly_once, exactly one output each; at_least_once, nothing
+   lost and a duplicate only where the logs show its commit failed; each worker serves its own;
 3. SIGTERM: 503 while loading, drain of everything fetched, exit 0, offsets committed, nothing
    re-delivered to the restarted worker.
 
