@@ -6,7 +6,7 @@ groups rebalanced, shutdowns drained.
    exactly_once never two committed outputs (read_committed), and all offsets committed;
 2. rebalances with a backlog in flight (a member joins and leaves, then a second worker takes
    partitions holding queued work): exactly_once, exactly one output each; at_least_once, nothing
-   lost and a duplicate only where the logs show its commit failed; each worker serves its own;
+   lost and a duplicate only where a revoke left its record uncommitted; each worker serves its own;
 3. SIGTERM: 503 while loading, drain of everything fetched, exit 0, offsets committed, nothing
    re-delivered to the restarted worker.
 
@@ -198,21 +198,20 @@ def revoke_lines(w: Proc) -> list[str]:
     return [ln for ln in w.log_path.read_text(errors="replace").splitlines() if "revoked [" in ln]
 
 
-def assert_duplicates_only_after_failed_commits(out, coords: dict[str, tuple[int, int]], workers) -> None:
-    """at_least_once: a request answered twice must have a reason in the logs: a failed offset commit,
-    and a revoke of its partition whose committed offset had not passed its record."""
+def assert_duplicates_only_where_uncommitted(out, coords: dict[str, tuple[int, int]], workers) -> None:
+    """at_least_once: a request answered twice must have been left uncommitted by a revoke of its
+    partition: the revoke's log line shows a committed offset at or below its record (an earlier
+    record of the partition unfinished, or a failed commit)."""
     dups = {rid: coords[rid] for rid, v in out.by_id.items() if len(v) > 1}
-    if not dups:
-        return
     text = "\n".join(w.log_path.read_text(errors="replace") for w in workers)
-    assert "offset commit failed" in text, f"duplicates {dups} without a failed commit"
     revoked_at: dict[int, list] = defaultdict(list)         # partition -> committed offsets at its revokes
     for m in re.finditer(r"revoked \[.*?\]: committed up to (\{.*?\}), abandoned", text):
         for tp, off in ast.literal_eval(m.group(1)).items():
             revoked_at[int(tp.rsplit(":", 1)[1])].append(off)
     for rid, (part, off) in dups.items():
         assert any(c is None or c <= off for c in revoked_at[part]), \
-            f"{rid} (partition {part}, offset {off}) answered twice, its commit never failed: {revoked_at[part]}"
+            f"{rid} (partition {part}, offset {off}) answered twice though committed at every revoke: " \
+            f"{revoked_at[part]}"
 
 
 @pytest.mark.parametrize("guarantee", ["exactly_once", "at_least_once"])
@@ -222,7 +221,9 @@ async def test_rebalances_mid_run_lose_nothing_and_two_workers_split_the_partiti
     rebalances, the first meeting queued work); 2. w-b joins while w-a holds queued work of the
     partitions moving to w-b (p0 or p1, each with a lone request waiting for its batch mate), and
     the two split the partitions. exactly_once: every request exactly one output (read_committed);
-    at_least_once: every request answered, twice only where the logs show its commit failed.
+    at_least_once: every request answered, twice only where a revoke left its record uncommitted
+    (at_least_once publishes a result as soon as it is ready, but commits only up to the
+    partition's first unfinished record: results behind the lone request are re-delivered).
     Requests published after the split are served by the worker holding their partition."""
     ckpt, _ = tiny
     req_t, res_t, dl_t = [await topic_factory(4, prefix=p) for p in ("req", "res", "dl")]
@@ -244,7 +245,7 @@ async def test_rebalances_mid_run_lose_nothing_and_two_workers_split_the_partiti
             dup = {i: len(v) for i, v in out.by_id.items() if len(v) != 1}
             assert dup == {}, f"requests with more than one committed output: {dup}"
         else:
-            assert_duplicates_only_after_failed_commits(out, coords, procs)
+            assert_duplicates_only_where_uncommitted(out, coords, procs)
 
     # phase 1: while w-a works through a backlog, a member joins (rebalance: everything revoked
     # and reassigned) and leaves again (second rebalance)
