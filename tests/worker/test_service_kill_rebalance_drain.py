@@ -144,7 +144,9 @@ async def test_sigkill_mid_run_and_restart_answers_everything(
                                stop_when=lambda o: False)
     assert len(after_kill.by_id) < len(reqs), "the kill did not land mid-run"
 
-    second = Proc(env, tmp_path / "second.log")          # same static member (and transactional ids)
+    # same static member (and transactional ids); no long batch wait: the mate comes now, and an odd
+    # K=1 request left over must not wait for a mate that never comes
+    second = Proc({**env, "ALPAMAYO_MAX_BATCH_WAIT_MS": "200"}, tmp_path / "second.log")
     procs.append(second)
     await second.wait_ready()
     await produce(kafka_bootstrap, req_t, [request_item(mate)], partition_of=lambda i: 0)
