@@ -161,6 +161,7 @@ async def test_a_drain_timeout_with_the_engine_busy_commits_only_finished_work_a
         t0 = time.monotonic()
         code = await asyncio.to_thread(w.stop, longest_stop_s(drain_s))
         stop_s = time.monotonic() - t0
+        print(f"stopped in {stop_s:.1f} s with the engine busy (drain timeout {drain_s:.0f} s)")
         assert code == 0 and stop_s < longest_stop_s(drain_s), (code, stop_s)
         assert stop_s >= drain_s                                   # it did wait for the engine
         assert await committed_offsets(kafka_bootstrap, group, req_t, [0]) == {0: 1}
