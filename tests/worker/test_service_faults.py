@@ -116,7 +116,7 @@ async def test_max_inflight_pauses_fetching_until_the_engine_frees_a_slot(kafka_
         await produce(kafka_bootstrap, req_t, [request_item(r) for r in reqs])
         svc = w.service
         deadline = time.monotonic() + 60
-        while not (engine.calls and svc.tracker.inflight >= 2):
+        while not (engine.calls and svc.tracker.inflight >= 2 and len(svc.batcher) >= 1):
             assert time.monotonic() < deadline, "the first request never reached the engine"
             await asyncio.sleep(0.05)
         seen = []
