@@ -54,7 +54,7 @@ from worker.output_limits import OutputLimits, producer_max_request_size, read_o
 from worker.publisher import OffsetTracker, Output, Publisher, PublishError, dead_letter_output, result_output
 from worker.stats import StatsLog
 
-__all__ = ["WorkerService", "load_engine", "EXIT_OK", "EXIT_FAILED", "EXIT_REFUSED"]
+__all__ = ["WorkerService", "load_engine", "EXIT_OK", "EXIT_FAILED", "EXIT_REFUSED", "longest_stop_s"]
 
 log = logging.getLogger("alpamayo.worker")
 
@@ -62,8 +62,16 @@ EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 FETCH_TIMEOUT_MS = 200
 MONITOR_INTERVAL_S = 2.0
 INTAKE_THREADS = 2
+FINAL_FLUSH_EXTRA_S = 5.0       # the drain's last flush may run this long past the drain timeout
+CLIENT_CLOSE_S = 15.0           # each Kafka client (consumer, then producer(s)) gets this long to close
 _FIELD_FOR_CODE = {"bad_image": "$.images", "missing_egomotion": "$.egomotion",
                    "missing_future_egomotion": "$.future_egomotion", "k_not_served": "$.num_traj_samples"}
+
+
+def longest_stop_s(drain_timeout_s: float) -> float:
+    """The longest a SIGTERM takes to exit: the drain, its final flush's extra time, then the consumer
+    and the producer(s) closed one after the other (a pod's termination grace must exceed it)."""
+    return drain_timeout_s + FINAL_FLUSH_EXTRA_S + 2 * CLIENT_CLOSE_S
 
 
 def load_engine(engine, settings: Settings) -> None:
@@ -266,7 +274,7 @@ class WorkerService:
                 continue
             try:
                 stop = client.close_all() if isinstance(client, PartitionProducers) else client.stop()
-                await asyncio.wait_for(stop, 15)
+                await asyncio.wait_for(stop, CLIENT_CLOSE_S)
             except Exception as exc:  # closing is best effort
                 log.warning("closing %s: %s: %s", type(client).__name__, type(exc).__name__, exc)
 
@@ -519,7 +527,7 @@ class WorkerService:
         code = EXIT_OK
         if self._fatal is None:
             try:
-                await asyncio.wait_for(self.publisher.flush(), max(1.0, deadline - loop.time() + 5))
+                await asyncio.wait_for(self.publisher.flush(), max(1.0, deadline - loop.time() + FINAL_FLUSH_EXTRA_S))
             except Exception as exc:
                 log.error("final flush failed: %s: %s", type(exc).__name__, exc)
                 code = EXIT_FAILED

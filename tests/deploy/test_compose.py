@@ -9,6 +9,7 @@ import yaml
 from tests import REPO_ROOT
 from tests.deploy.artefacts import (ALERTS, COMPOSE, DASHBOARD, DEPLOY, DOCKERFILE, compose, documented_partitions,
                                     duration_seconds)
+from worker.service import longest_stop_s
 
 
 def test_compose_topic_partitions_match_documentation():
@@ -75,7 +76,7 @@ def test_compose_one_gpu_worker():
     worker = services["worker"]
     assert "entrypoint" not in worker and "command" not in worker, "worker runs the image ENTRYPOINT"
     drain = float(worker["environment"].get("ALPAMAYO_DRAIN_TIMEOUT_S", 60))
-    assert duration_seconds(worker["stop_grace_period"]) >= drain + 15
+    assert duration_seconds(worker["stop_grace_period"]) > longest_stop_s(drain)
 
 
 def test_compose_kafka_topics_sink_monitoring():

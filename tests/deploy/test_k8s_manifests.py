@@ -1,7 +1,8 @@
 """Kubernetes manifests (deploy/k8s): built-in kinds validate (strict: unknown fields fail) against
 the OpenAPI-derived JSON schemas bundled in ``kubernetes-validate``, the CRD kinds against the
 hand-written schemas; references between manifests resolve; one GPU per pod, probes, identity;
-termination grace >= drain timeout; KEDA maxReplicaCount <= documented partition count."""
+termination grace > the worker's longest stop (drain + final flush + client closes); KEDA
+maxReplicaCount <= documented partition count."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import yaml
 from tests.deploy.artefacts import (K8S, documented_partitions, k8s_docs, k8s_find, k8s_one, worker_configmap,
                                     worker_container, worker_deployment)
 from tests.deploy.manifest_schemas import CRD_KINDS, CRD_SCHEMAS
+from worker.service import longest_stop_s
 
 # Oldest Kubernetes minor we support, and the newest schema set the validator bundles.
 K8S_VERSIONS = ["1.30.0", kubernetes_validate.latest_version()]
@@ -101,10 +103,10 @@ def test_deployment_gpu_probes_and_identity():
     assert pod["securityContext"]["runAsUser"] != 0
 
 
-def test_deployment_grace_period_covers_drain_timeout():
+def test_deployment_grace_period_covers_the_longest_stop():
     pod = worker_deployment()["spec"]["template"]["spec"]
     drain = float(worker_configmap()["data"].get("ALPAMAYO_DRAIN_TIMEOUT_S", "60"))
-    assert pod["terminationGracePeriodSeconds"] >= drain + 15
+    assert pod["terminationGracePeriodSeconds"] > longest_stop_s(drain)
 
 
 def test_deployment_config_and_secret_references_resolve():

@@ -7,8 +7,10 @@ Prometheus text of /v1/metrics.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import time
+import uuid
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,6 +26,11 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def unique(prefix: str) -> str:
+    """A group / instance / transactional id no other test run on the same broker uses."""
+    return f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def worker_env(bootstrap, req, res, dl, group, instance, port, ckpt, **over) -> dict[str, str]:

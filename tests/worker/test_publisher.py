@@ -177,21 +177,6 @@ async def test_at_least_once_commits_only_after_every_ack():
     assert cons.commits == [{TP0: 2}]          # offset 2 still pending -> 2, not 3
 
 
-async def test_at_least_once_send_failure_is_fatal_and_commits_nothing():
-    t = OffsetTracker()
-    e = t.assign(TP0)
-    t.add(TP0, 0)
-    prod, cons = FakeProducer(), FakeConsumer([TP0])
-    pub = Publisher(prod, cons, t, "g", exactly_once=False, tp_factory=FakeTP)
-    pub.submit([out(TP0, 0, e, "a")])
-    flush = asyncio.create_task(pub.flush())
-    await asyncio.sleep(0.01)
-    prod.ack_all(error=RuntimeError("NotEnoughReplicas"))
-    with pytest.raises(PublishError):
-        await flush
-    assert cons.commits == [] and t.pending(TP0) == {0}
-
-
 async def test_commit_failure_is_not_fatal_and_is_retried_next_flush():
     t = OffsetTracker()
     e = t.assign(TP0)
@@ -242,23 +227,79 @@ async def test_exactly_once_each_partition_commits_through_its_own_producer():
     assert t.pending(TP0) == {1}
 
 
-@pytest.mark.parametrize("step", ["send", "send_offsets"])
-async def test_exactly_once_failed_transaction_is_fatal_and_completes_nothing(step):
-    t = OffsetTracker()
-    e = t.assign(TP0)
-    t.add(TP0, 0)
-    prods, cons = FakePartitionProducers([TP0]), FakeConsumer([TP0])
-    prod = prods.producers[TP0]
-
+def fail_step(prod: FakeProducer, step: str) -> None:
+    """Make one step of the producer's transaction raise (a fenced producer, a broker error)."""
     async def fenced(*a, **kw):
         raise RuntimeError("ProducerFenced")
 
-    setattr(prod, {"send": "send", "send_offsets": "send_offsets_to_transaction"}[step], fenced)
+    if step == "commit":                       # the sends succeed, ending the transaction fails
+        txn_of = prod.transaction
+
+        class CommitFails:
+            def __init__(self):
+                self.txn = txn_of()
+
+            async def __aenter__(self):
+                await self.txn.__aenter__()
+
+            async def __aexit__(self, et, e, tb):
+                await self.txn.__aexit__(et, e, tb)
+                prod.txns[-1]["committed"] = False
+                if et is None:
+                    raise RuntimeError("ProducerFenced on EndTxn")
+                return False
+
+        prod.transaction = CommitFails
+    else:
+        setattr(prod, {"send": "send", "send_offsets": "send_offsets_to_transaction"}[step], fenced)
+
+
+@pytest.mark.parametrize("step", ["send", "send_offsets", "commit"])
+async def test_exactly_once_failed_transaction_is_fatal_and_completes_nothing(step):
+    """A failed send, send_offsets_to_transaction or commit of a partition's transaction raises
+    PublishError; the other partition's transaction commits; the failed partition's offsets stay
+    pending and uncommitted, nothing of it counts as published."""
+    t = OffsetTracker()
+    e0, e1 = t.assign(TP0), t.assign(TP1)
+    t.add(TP0, 0)
+    t.add(TP0, 1)
+    t.add(TP1, 7)
+    prods, cons = FakePartitionProducers([TP0, TP1]), FakeConsumer([TP0, TP1])
+    prod = prods.producers[TP0]
+    fail_step(prod, step)
     pub = Publisher(prods, cons, t, "grp", exactly_once=True, tp_factory=FakeTP)
-    pub.submit([out(TP0, 0, e, "a")])
-    with pytest.raises(PublishError):
+    pub.submit([out(TP0, 0, e0, "a"), out(TP0, 1, e0, "b"), out(TP1, 7, e1, "c")])
+    with pytest.raises(PublishError, match="ProducerFenced"):
         await pub.flush()
-    assert t.pending(TP0) == {0} and t.committed(TP0) is None and not prod.txns[0]["committed"]
+    assert t.pending(TP0) == {0, 1} and t.committed(TP0) is None
+    assert [txn["committed"] for txn in prod.txns] == [False]
+    assert t.pending(TP1) == set() and t.committed(TP1) == 8          # the healthy partition went through
+    assert pub.published == 1 and cons.commits == []
+
+
+@pytest.mark.parametrize("step", ["send", "ack"])
+async def test_at_least_once_failed_send_keeps_every_offset_pending(step):
+    """A send that raises at once (buffer full, closed producer) or an acknowledgement that fails:
+    PublishError, no offset marked done, nothing committed."""
+    t = OffsetTracker()
+    e = t.assign(TP0)
+    for off in range(3):
+        t.add(TP0, off)
+    prod, cons = FakeProducer(), FakeConsumer([TP0])
+    if step == "send":
+        async def refused(*a, **kw):
+            raise RuntimeError("KafkaTimeoutError: buffer full")
+
+        prod.send = refused
+    pub = Publisher(prod, cons, t, "g", exactly_once=False, tp_factory=FakeTP)
+    pub.submit([out(TP0, 0, e, "a"), out(TP0, 1, e, "b")])
+    flush = asyncio.create_task(pub.flush())
+    await asyncio.sleep(0.01)
+    prod.ack_all(error=RuntimeError("NotEnoughReplicas"))
+    with pytest.raises(PublishError):
+        await flush
+    assert t.pending(TP0) == {0, 1, 2} and t.committed(TP0) is None
+    assert cons.commits == [] and pub.published == 0
 
 
 async def test_exactly_once_publishes_in_offset_order_per_partition():

@@ -28,7 +28,7 @@ from worker.config import load_settings
 from worker.scenes.request import build_request
 
 from tests.worker.kafka_harness import (L, collect, free_port, http_get, metric_values, produce, request_item,
-                                        worker_env)
+                                        unique, worker_env)
 
 pytestmark = pytest.mark.kafka
 
@@ -45,7 +45,8 @@ async def test_mixed_requests_one_answer_each_with_shapes_speculative_block_and_
     store = tmp_path / "store"
     store.mkdir()
     port = free_port()
-    env = worker_env(kafka_bootstrap, req_t, res_t, dl_t, "g-mixed", "w-mixed", port, ckpt,
+    instance = unique("w-mixed")
+    env = worker_env(kafka_bootstrap, req_t, res_t, dl_t, unique("g-mixed"), instance, port, ckpt,
                      NIM_MODEL_PROFILE="bf16-dflash2", NIM_ALPAMAYO_TRAJ_SAMPLES="1,2,3",
                      NIM_ALPAMAYO_SPEC_METRICS="summary", ALPAMAYO_MAX_BATCH_SIZE="4",
                      ALPAMAYO_MAX_BATCH_WAIT_MS="200", ALPAMAYO_CLAIM_CHECK_ROOTS=f"file://{store}/",
@@ -124,7 +125,7 @@ async def test_mixed_requests_one_answer_each_with_shapes_speculative_block_and_
             (dl,) = out.by_id[ident]
             assert isinstance(dl, S.DeadLetter), (ident, dl)
             assert (dl.error_code.value, dl.error_field) == code_field, (ident, dl.error_message)
-            assert dl.worker_id == "w-mixed" and dl.source.topic == req_t
+            assert dl.worker_id == instance and dl.source.topic == req_t
         spec_sum = defaultdict(int)
         for r in valid:
             (res,) = out.by_id[r.request_id]

@@ -96,7 +96,7 @@ def test_start_failure_points_at_the_log(tmp_path, monkeypatch):
     monkeypatch.setenv("ALPAMAYO_CACHE", str(tmp_path))
     monkeypatch.setattr(local_kafka, "ensure_jars", lambda *a, **k: libs)
     monkeypatch.setattr(local_kafka, "NODE_JVM_OPTS", [*local_kafka.NODE_JVM_OPTS, "-XX:+NoSuchJvmOption"])
-    bad = LocalKafka(name="broken", start_timeout=60)
+    bad = LocalKafka(name=f"pytest-broken-{os.getpid()}", start_timeout=60)
     t0 = time.monotonic()
     with pytest.raises(LocalKafkaError, match=r"node 1 exited during startup; log: .*kafka\.log"):
         bad.start()
@@ -110,7 +110,8 @@ async def test_sasl_ssl_scram_round_trip():
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
     from aiokafka.errors import KafkaConnectionError, KafkaError
 
-    kafka = LocalKafka(name="pytest-sasl", security="sasl_ssl", users={"worker": "w-secret", "other": "o-secret"})
+    kafka = LocalKafka(name=f"pytest-sasl-{os.getpid()}", security="sasl_ssl",
+                       users={"worker": "w-secret", "other": "o-secret"})
     await asyncio.to_thread(kafka.start, fresh=True)
     try:
         assert kafka.ca_file and os.path.exists(kafka.ca_file)
@@ -147,7 +148,7 @@ async def test_three_node_cluster_survives_leader_kill():
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-    kafka = LocalKafka(name="pytest-3node", nodes=3)
+    kafka = LocalKafka(name=f"pytest-3node-{os.getpid()}", nodes=3)
     t0 = time.monotonic()
     bootstrap = await asyncio.to_thread(kafka.start, fresh=True)
     started = time.monotonic() - t0
