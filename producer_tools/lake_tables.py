@@ -34,6 +34,9 @@ _TS_UTC = pa.timestamp("us", tz="UTC")
 _XYZ = pa.list_(pa.list_(_F32, 3))                      # N x [x, y, z] metres
 _META_ACTION = pa.struct([("longitudinal", _STR), ("lateral", _STR), ("lane", _STR)])
 
+# the result's uncertainty block flattened into columns: uncertainty, uncertainty_trajectory_spread_m, ...
+_UNCERTAINTY_COLUMNS = {f: f if f == "uncertainty" else f"uncertainty_{f}" for f in S.Uncertainty.__struct_fields__}
+
 _LINEAGE_FIELDS = [
     pa.field("kafka_topic", _STR, nullable=False),
     pa.field("kafka_partition", pa.int32(), nullable=False),
@@ -46,6 +49,7 @@ RESULT_SCHEMA = pa.schema([
     pa.field("request_id", _STR),
     pa.field("run_id", _STR),
     pa.field("scene_id", _STR),                                                  # labels["scene_id"]
+    pa.field("submitted_at", _TS_UTC),                                           # the request's
     pa.field("task", _STR),
     pa.field("schema_version", pa.int16()),
     pa.field("num_samples", pa.int32()),
@@ -91,9 +95,11 @@ RESULT_SCHEMA = pa.schema([
     pa.field("attempt", pa.int32()),
     pa.field("replay_of", _STR),
     pa.field("completed_at", _TS_UTC),
+    *[pa.field(column, pa.float64()) for column in _UNCERTAINTY_COLUMNS.values()],
     *_LINEAGE_FIELDS,
 ])
-"""Results table: one row per result record."""
+"""Results table: one row per result record (the ``uncertainty`` block flattened: ``uncertainty``,
+``uncertainty_trajectory_spread_m``, ...; null for K = 1)."""
 
 DEAD_LETTER_SCHEMA = pa.schema([
     pa.field("request_id", _STR),
@@ -254,7 +260,10 @@ def result_rows(record) -> list[dict[str, Any]]:
         request_topic=lin.topic if lin else None, request_partition=lin.partition if lin else None,
         request_offset=lin.offset if lin else None, worker_id=lin.worker_id if lin else None,
         attempt=lin.attempt if lin else None, replay_of=lin.replay_of if lin else None,
+        submitted_at=_ts_s(res.submitted_at),
     )
+    if res.uncertainty is not None:
+        row.update({column: getattr(res.uncertainty, f) for f, column in _UNCERTAINTY_COLUMNS.items()})
     if sd is not None:
         row.update(spec_num_spec_tokens=sd.num_spec_tokens, spec_num_spec_steps=sd.num_spec_steps,
                    spec_num_draft_tokens=sd.num_draft_tokens,

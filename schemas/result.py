@@ -174,6 +174,7 @@ class InferResult(msgspec.Struct, kw_only=True, frozen=True):
     run_id: Annotated[str | None, Meta(description="The request's run_id.")] = None
     task: Annotated[Task, Meta(description="The request's task.")]
     labels: Annotated[dict[str, str], Meta(description="The request's labels, unchanged.")] = {}
+    submitted_at: Annotated[float | None, Meta(description="The request's submitted_at (unix seconds), unchanged.")] = None
     num_samples: Annotated[int, Meta(ge=0, description="K (number of samples produced).")]
     pred_trajectories: Annotated[
         list[list[list[float]]] | None,

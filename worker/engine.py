@@ -177,6 +177,7 @@ class Engine:
                                   [o.auto_label for o in res.outputs])
         return InferResult(
             request_id=req.request_id, run_id=req.run_id, task=req.task, labels=dict(req.labels),
+            submitted_at=req.submitted_at,
             num_samples=len(res.outputs), pred_trajectories=trajectories, pred_rotations=rotations,
             answer=res.outputs[0].answer if res.outputs and req.task in ("vqa", "grounding") else None,
             outputs=outputs,

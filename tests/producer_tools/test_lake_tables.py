@@ -24,20 +24,26 @@ async def test_samples_and_requests_tables_give_ade_by_a_join(tmp_path):
     results = []
     for i, r in enumerate(reqs):
         res = make_result(r.request_id, "run-ade", i, k=2)
-        results.append(S.InferResult(**{f: getattr(res, f) for f in res.__struct_fields__ if f != "labels"},
-                                     labels=dict(r.labels)))
+        kept = {f: getattr(res, f) for f in res.__struct_fields__ if f not in ("labels", "submitted_at", "uncertainty")}
+        results.append(S.InferResult(**kept, labels=dict(r.labels), submitted_at=r.submitted_at,
+                                     uncertainty=S.Uncertainty(uncertainty=0.25 * (i + 1), lateral_spread_m=0.5 * i)))
     res_recs = [Rec("res", 0, i, 1_700_000_002_000, r.request_id.encode(), *S.encode_result(r))
                 for i, r in enumerate(results)]
     await sink_pass(lake, req_recs, FakeConsumer(), rotate_rows=10, include_requests=True)
     await sink_pass(lake, res_recs, FakeConsumer(), rotate_rows=10, include_samples=True)
 
     # inside the files, not only in the path
-    for table, cols in (("results", {"run_id", "scene_id"}), ("samples", {"run_id", "scene_id", "sample"}),
+    for table, cols in (("results", {"run_id", "scene_id", "submitted_at", "uncertainty"}), ("samples", {"run_id", "scene_id", "sample"}),
                         ("requests", {"run_id", "scene_id", "submitted_at", "temperature", "ego_future_xyz"})):
         [path] = LK.lake_files(lake, table)
         assert cols <= set(pq.read_schema(path).names), table
-    got = LK.read_lake(lake, "results", columns=["request_id", "run_id", "scene_id"]).to_pylist()
-    assert [(g["run_id"], g["scene_id"]) for g in got] == [("run-ade", it.scene_id) for it in items]
+    got = LK.read_lake(lake, "results", columns=["request_id", "run_id", "scene_id", "submitted_at", "uncertainty",
+                                                 "uncertainty_lateral_spread_m", "uncertainty_trajectory_spread_m"])
+    assert [(g["run_id"], g["scene_id"]) for g in got.to_pylist()] == [("run-ade", it.scene_id) for it in items]
+    # the request's submitted_at and the uncertainty block, as columns of the results table
+    assert [(g["submitted_at"].timestamp(), g["uncertainty"], g["uncertainty_lateral_spread_m"],
+             g["uncertainty_trajectory_spread_m"]) for g in got.to_pylist()] == \
+        [(1_700_000_000.5, 0.25, 0.0, None), (1_700_000_000.5, 0.5, 0.5, None)]
     rq = LK.read_lake(lake, "requests").to_pylist()
     assert [r["submitted_at"].timestamp() for r in rq] == [1_700_000_000.5] * 2
     assert [(r["temperature"], r["num_traj_samples"], len(r["ego_history_xyz"])) for r in rq] == [(0.6, 2, 16)] * 2

@@ -337,6 +337,8 @@ async def test_mixed_run_through_worker_sink_and_audit_is_complete(kafka_bootstr
         traj = [r for r in results.to_pylist() if r["task"] == "trajectory"]
         assert all(len(r["pred_trajectories"]) == 1 and len(r["pred_trajectories"][0]) == 64 for r in traj)
         assert all(r["worker_id"] == "w-e2e" and r["request_topic"] == req_t for r in results.to_pylist())
+        # the worker echoes each request's submitted_at into its result (a column of the results table)
+        assert all(r["submitted_at"] == reqs[r["request_id"]]["submitted_at"] for r in results.to_pylist())
         dls = LK.read_lake(lake, "dead_letters", run_id=bad_run).to_pylist()
         assert [(d["request_id"], d["error_code"], d["error_field"]) for d in dls] == \
             [(bad_id, "k_not_served", "$.num_traj_samples")]
