@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
-import pickle
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from schemas import CAMERAS
@@ -49,7 +48,7 @@ TEXT_EVAL_SCENES = 16                 # greedy meta_action / vqa / grounding che
 SHARD_BYTES = 12 << 20                # safetensors shards small enough for one file each in git
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Recipe:
     """Everything that decides the demo model's weights besides the seed and the code."""
 
@@ -192,16 +191,25 @@ def _scene(seed: int):
     return generate_scene(seed, IMAGE_SIZE)
 
 
-def _examples(job: tuple) -> bytes:
-    """Examples of one chunk of scenes, pickled here by value: handing tensors back through the
-    pool would share each through a file descriptor (torch's reducers), thousands at once."""
-    import pickle
+_EXAMPLE_TENSORS = ("input_ids", "positions", "weights", "action")
 
+
+def _examples(job: tuple) -> list:
+    """Examples of one chunk of scenes, their tensors as numpy arrays: handed back through the pool
+    as tensors, each would be shared through a file descriptor (torch's reducers), thousands at once."""
     from worker.demo import train
 
     scenes, tasks, key_weights, first_index = job
-    return pickle.dumps(train.build_examples(_POOL_RUNTIME, scenes, tasks=tasks, key_weights=key_weights,
-                                             first_index=first_index))
+    out = train.build_examples(_POOL_RUNTIME, scenes, tasks=tasks, key_weights=key_weights, first_index=first_index)
+    return [dataclasses.replace(e, **{f: getattr(e, f).numpy() for f in _EXAMPLE_TENSORS
+                                      if getattr(e, f) is not None}) for e in out]
+
+
+def _as_tensors(e):
+    import torch
+
+    return dataclasses.replace(e, **{f: torch.from_numpy(getattr(e, f)) for f in _EXAMPLE_TENSORS
+                                     if getattr(e, f) is not None})
 
 
 def _parallel(fn, jobs: list, workers: int) -> list:
@@ -269,7 +277,7 @@ def _build(out: Path, seed: int, progress: bool, recipe: Recipe = RECIPES["cpu"]
         jobs = [(scenes[i:min(i + step, n_text)], train.TASKS, tc.key_weights, i) for i in range(0, n_text, step)]
         jobs += [(scenes[i:i + step], ("trajectory",), tc.key_weights, i)
                  for i in range(n_text, len(scenes), step)]
-        examples = [e for part in _parallel(_examples, jobs, workers) for e in pickle.loads(part)]
+        examples = [_as_tensors(e) for part in _parallel(_examples, jobs, workers) for e in part]
         _POOL_RUNTIME = None
         lap("examples")
         if device != "cpu":                 # a runtime over the moved model: its fused views live there
