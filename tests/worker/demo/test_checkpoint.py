@@ -152,7 +152,7 @@ def test_incomplete_directory_is_not_reused(tmp_path, monkeypatch):
     assert not build.is_complete(d)
     calls = []
 
-    def fake_build(out: Path, seed: int, progress: bool) -> None:
+    def fake_build(out: Path, seed: int, progress: bool, *recipe_device_workers_budget) -> None:
         calls.append(out)
         out.mkdir(parents=True)
         (out / build.COMPLETE_MARKER).write_text("")
@@ -177,7 +177,7 @@ def test_training_data_pipeline_is_deterministic(ckpt, runtime, quality):
     seeds = build.train_seeds(0)
     assert [seeds[0], seeds[-1]] == quality["build"]["train_scene_seeds"]
     scenes = [generate_scene(s, build.IMAGE_SIZE) for s in seeds]
-    tok = build_tokenizer(build.tokenizer_corpus(scenes), build.VOCAB_SIZE)
+    tok = build_tokenizer(build.tokenizer_corpus(scenes), build.RECIPES["cpu"].vocab_size)
     assert json.loads(tok.to_str()) == json.loads((ckpt / "tokenizer.json").read_text())
 
     few = scenes[:2]
