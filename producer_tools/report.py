@@ -2,10 +2,12 @@
 
 Writes ``report.md`` (per task, K, temperature and profile: counts, latency p50/p95 of ``total_ms``,
 of the queue and of the compute, DFlash2 acceptance; dead letters by code; every plot with a
-caption saying what it shows), ``report.json`` and the PNGs ``task_counts.png``, ``latency.png``
-(mean queue and mean compute time stacked, per group) and ``acceptance_over_time.png`` (draft
-acceptance rate and mean acceptance length against seconds since the first result, one series
-and one rolling mean per K and temperature: a change of workload is not a regression).
+caption saying what it shows; the results' uncertainty per group), ``report.json`` and the PNGs
+``task_counts.png``, ``latency.png`` (mean queue and mean compute time stacked, per group),
+``acceptance_over_time.png`` (draft acceptance rate and mean acceptance length against seconds
+since the first result, one series and one rolling mean per K and temperature: a change of
+workload is not a regression) and ``uncertainty.png`` (its distribution per task and K, and
+best-of-K ADE against it where the requests carried ground truth).
 
 The temperature of a request is in the lake only when the sink ran with ``--requests`` (the
 result does not carry it); otherwise groups show ``T=?``. A missing lake is refused; an earlier
@@ -29,15 +31,24 @@ __all__ = ["summarise_lake", "lake_report"]
 
 _R_COLS = ["request_id", "run_id", "task", "num_samples", "total_ms", "decode_ms", "queue_ms", "model_profile",
            "spec_draft_acceptance_rate", "spec_mean_acceptance_length", "spec_num_draft_tokens",
-           "spec_num_accepted_draft_tokens", "spec_num_spec_steps", "completed_at", "decode_error"]
+           "spec_num_accepted_draft_tokens", "spec_num_spec_steps", "completed_at", "decode_error", "uncertainty",
+           "pred_trajectories"]
 _D_COLS = ["request_id", "run_id", "error_code", "failed_at"]
-_OUTPUTS = ("report.md", "report.json", "task_counts.png", "latency.png", "acceptance_over_time.png")
+_OUTPUTS = ("report.md", "report.json", "task_counts.png", "latency.png", "acceptance_over_time.png",
+            "uncertainty.png")
 
 
 def _group(r: dict) -> tuple[str, int, str, str]:
     """(task, K, temperature, profile): results of one group are comparable."""
     t = r.get("temperature")
     return (r["task"], int(r.get("num_samples") or 0), "?" if t is None else f"{t:g}", r.get("model_profile") or "?")
+
+
+def _by(rows: list[dict], key) -> dict:
+    out: dict = defaultdict(list)
+    for r in rows:
+        out[key(r)].append(r)
+    return out
 
 
 def _label(g: tuple[str, int, str, str], with_task: bool = True) -> str:
@@ -50,20 +61,21 @@ def summarise_lake(lake: str, run_id: str | None = None) -> dict[str, Any]:
                         "point --lake at the directory the sink writes")
     res = read_lake(lake, "results", run_id=run_id, columns=_R_COLS).to_pylist()
     dls = read_lake(lake, "dead_letters", run_id=run_id, columns=_D_COLS).to_pylist()
-    temps = {r["request_id"]: r["temperature"]
-             for r in read_lake(lake, "requests", run_id=run_id, columns=["request_id", "temperature"]).to_pylist()}
-    res = [{**r, "temperature": temps.get(r["request_id"])} for r in res if r.get("task")]
-    by: dict[tuple, list[dict]] = defaultdict(list)
-    for r in res:
-        by[_group(r)].append(r)
+    reqs = {r["request_id"]: r for r in read_lake(lake, "requests", run_id=run_id,
+                                                    columns=["request_id", "temperature", "ego_future_xyz"]).to_pylist()}
+    temps = {k: r["temperature"] for k, r in reqs.items()}
+    res = [{**r, "temperature": temps.get(r["request_id"]),
+            "min_ade_m": _min_ade(r.get("pred_trajectories"), (reqs.get(r["request_id"]) or {}).get("ego_future_xyz"))}
+           for r in res if r.get("task")]
     rows = []
-    for g, rs in sorted(by.items()):
+    for g, rs in sorted(_by(res, _group).items()):
         tot = [r["total_ms"] for r in rs if r.get("total_ms") is not None]
         que = [r["queue_ms"] for r in rs if r.get("queue_ms") is not None]
         comp = [r["total_ms"] - r["queue_ms"] for r in rs if r.get("total_ms") is not None and r.get("queue_ms") is not None]
         drafted = sum(r.get("spec_num_draft_tokens") or 0 for r in rs)
         acc = sum(r.get("spec_num_accepted_draft_tokens") or 0 for r in rs)
         steps = sum(r.get("spec_num_spec_steps") or 0 for r in rs)
+        unc = [r["uncertainty"] for r in rs if r.get("uncertainty") is not None]
         rows.append({
             "task": g[0], "k": g[1], "temperature": g[2], "profile": g[3], "results": len(rs),
             "distinct_requests": len({r["request_id"] for r in rs}),
@@ -74,6 +86,7 @@ def summarise_lake(lake: str, run_id: str | None = None) -> dict[str, Any]:
             "compute_mean_ms": float(np.mean(comp)) if comp else None,
             "draft_acceptance_rate": acc / drafted if drafted else None,
             "mean_acceptance_length": 1 + acc / steps if steps else None,
+            "with_uncertainty": len(unc), "uncertainty_p50": percentile(unc, 50), "uncertainty_p90": percentile(unc, 90),
         })
     return {
         "lake": str(lake), "run_id": run_id, "results": len(res), "dead_letters": len(dls),
@@ -83,6 +96,15 @@ def summarise_lake(lake: str, run_id: str | None = None) -> dict[str, Any]:
         "dead_letters_by_code": dict(Counter(d.get("error_code") or "?" for d in dls).most_common()),
         "_results": res,
     }
+
+
+def _min_ade(pred, truth) -> float | None:
+    """Best-of-K average displacement (x/y, metres) of K x 64 x 3 predictions against the 64 x 3
+    ground truth the request carried (``publish --ground-truth``, sink ``--requests``); None without."""
+    if not pred or not truth:
+        return None
+    p, t = np.asarray(pred, dtype=np.float64)[..., :2], np.asarray(truth, dtype=np.float64)[:, :2]
+    return float(np.linalg.norm(p - t[None], axis=-1).mean(axis=1).min())
 
 
 def _f(v, spec=".1f") -> str:
@@ -99,6 +121,10 @@ _CAPTIONS = {
     "acceptance_over_time": "DFlash2 draft acceptance rate (top) and mean acceptance length (bottom) of each "
                             "trajectory result against seconds since the first result in the lake, one colour "
                             "per K and temperature (dots: results; line: rolling mean of that series only).",
+    "uncertainty": "Left: the distribution of the results' `uncertainty` (K >= 2 only; docs/uncertainty.md), "
+                   "one histogram per task and K. Right, where the requests carried ground truth: each "
+                   "result's best-of-K ADE against its uncertainty (a useful uncertainty puts the large "
+                   "errors on the right).",
 }
 
 
@@ -115,6 +141,12 @@ def _markdown(s: dict[str, Any], plots: dict[str, str]) -> str:
                      f"| {_f(r['draft_acceptance_rate'], '.3f')} | {_f(r['mean_acceptance_length'], '.2f')} |")
     if not s["temperatures_known"]:
         lines += ["", "Temperature `?`: the lake has no requests table (run the sink with `--requests`)."]
+    unc_rows = [r for r in s["per_task"] if r["with_uncertainty"]]
+    if unc_rows:
+        lines += ["", "## Uncertainty (results with K >= 2)", "",
+                  "| task | K | temperature | profile | results with uncertainty | p50 | p90 |", "|" + "---|" * 7]
+        lines += [f"| {r['task']} | {r['k']} | {r['temperature']} | {r['profile']} | {r['with_uncertainty']} "
+                  f"| {_f(r['uncertainty_p50'], '.3f')} | {_f(r['uncertainty_p90'], '.3f')} |" for r in unc_rows]
     if s["dead_letters_by_code"]:
         lines += ["", "Dead letters by code: " + ", ".join(f"`{k}` {v}" for k, v in s["dead_letters_by_code"].items())]
     for k, v in plots.items():
@@ -204,6 +236,29 @@ def lake_report(lake: str, out: str, run_id: str | None = None, window: int = 20
     a2.set_ylabel("mean acceptance length")
     a1.set_title("DFlash2 acceptance over time, per K and temperature")
     save(fig, "acceptance_over_time")
+
+    unc = [r for r in res if r.get("uncertainty") is not None]
+    fig, (h, sc) = plt.subplots(1, 2, figsize=(9, 3.4))
+    if unc:
+        for i, (g, rs) in enumerate(sorted(_by(unc, lambda r: (r["task"], int(r["num_samples"] or 0))).items())):
+            h.hist([r["uncertainty"] for r in rs], bins=np.linspace(0, 1, 21), histtype="step", color=f"C{i % 10}",
+                   label=f"{g[0]} K={g[1]} ({len(rs)})")
+        h.legend(fontsize=6)
+        known = [r for r in unc if r.get("min_ade_m") is not None]
+        if known:
+            sc.scatter([r["uncertainty"] for r in known], [r["min_ade_m"] for r in known], s=8, alpha=0.6)
+        else:
+            sc.text(0.5, 0.5, "no ground truth in the lake\n(publish --ground-truth, sink --requests)",
+                    ha="center", va="center", transform=sc.transAxes, fontsize=8)
+    else:
+        h.text(0.5, 0.5, "no results with K >= 2", ha="center", va="center", transform=h.transAxes)
+    h.set_xlabel("uncertainty")
+    h.set_ylabel("results")
+    sc.set_xlabel("uncertainty")
+    sc.set_ylabel("minADE over K (m)")
+    h.set_title("uncertainty per task and K")
+    sc.set_title("error against uncertainty")
+    save(fig, "uncertainty")
 
     (outp / "report.md").write_text(_markdown(s, plots))
     s["plots"] = plots

@@ -6,7 +6,9 @@ from PIL import Image
 
 import schemas as S
 from producer_tools.cli import main
-from producer_tools.report import lake_report
+from producer_tools.publish import run_request
+from producer_tools.report import _min_ade, lake_report
+from producer_tools.scene_sources import iter_synthetic
 from worker.scenes import generate_scene
 from worker.scenes.request import build_request
 
@@ -70,3 +72,33 @@ async def test_groups_by_task_k_and_temperature_with_queue_apart_and_captions(tm
     for name in s["plots"]:
         assert f"![{name}]({name}.png)" in md and f"*{name}*: " in md
     assert "| trajectory | 3 | 0.6 |" in md
+
+
+def test_min_ade_is_the_best_of_k_average_displacement():
+    truth = [[float(t), 0.0, 0.0] for t in range(64)]
+    pred = [[[float(t) + 3.0, 0.0, 0.0] for t in range(64)], [[float(t), 1.0, 5.0] for t in range(64)]]
+    assert _min_ade(pred, truth) == 1.0                      # sample 1: 1 m sideways (z ignored)
+    assert _min_ade(pred, None) is None and _min_ade(None, truth) is None
+
+
+async def test_uncertainty_section_and_error_against_uncertainty(tmp_path):
+    """Results with K >= 2 carry `uncertainty`: report.md has its per-group p50/p90 and a captioned
+    plot of its distribution and of best-of-K ADE against it (ground truth from the requests)."""
+    lake = tmp_path / "lake"
+    req_recs, res_recs = [], []
+    for i, item in enumerate(iter_synthetic(4, seed=3)[1]):
+        req = run_request(item, "trajectory", 3, "ru", temperature=0.6, ground_truth=True)
+        req_recs.append(Rec("req", 0, i, 1_700_000_000_000, req.request_id.encode(), *S.encode_request(req)))
+        res = msgspec.structs.replace(make_result(req.request_id, "ru", i, k=3),
+                                      uncertainty=S.Uncertainty(uncertainty=0.2 * (i + 1)))
+        res_recs.append(Rec("res", 0, i, 1_700_000_000_000, req.request_id.encode(), *S.encode_result(res)))
+    await sink_pass(lake, req_recs, FakeConsumer(), rotate_rows=10, include_requests=True)
+    await sink_pass(lake, res_recs, FakeConsumer(), rotate_rows=10)
+    s = lake_report(str(lake), str(tmp_path / "rep"))
+    [row] = s["per_task"]
+    assert row["with_uncertainty"] == 4 and abs(row["uncertainty_p50"] - 0.5) < 1e-9
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "## Uncertainty (results with K >= 2)" in md and "| trajectory | 3 | 0.6 | bf16-dflash2 | 4 | 0.500 |" in md
+    assert "![uncertainty](uncertainty.png)" in md and "*uncertainty*: " in md
+    with Image.open(s["plots"]["uncertainty"]) as im:
+        assert len(im.convert("RGB").getcolors(1 << 20)) > 2
