@@ -270,6 +270,7 @@ def _build(out: Path, seed: int, progress: bool, recipe: Recipe = RECIPES["cpu"]
         for name, p in model.named_parameters():
             if any(f in name for f in recipe.frozen):
                 p.requires_grad_(False)
+        n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         image_proc = ImageProcessing.from_dir(out, cfg.min_pixels, cfg.max_pixels)
         runtime = _POOL_RUNTIME = AlpamayoRuntime(model, cfg, tok, ids, image_proc, torch.device("cpu"), torch.float32)
         tc, rc = _train_configs(recipe)
@@ -313,8 +314,7 @@ def _build(out: Path, seed: int, progress: bool, recipe: Recipe = RECIPES["cpu"]
             "vocab_size": tok.get_vocab_size(), "dims": {k: (list(v) if isinstance(v, tuple) else v)
                                                         for k, v in vars(dims).items()},
             "parameters": n_params, "frozen": list(recipe.frozen),
-            "trainable_parameters": sum(p.numel() for n, p in Alpamayo2(cfg).named_parameters()
-                                        if not any(f in n for f in recipe.frozen)),
+            "trainable_parameters": n_trainable,
             "action_normalisation": norm,
             "train": {**summary, "lr": tc.lr, "warmup": tc.warmup, "expert_repeats": tc.expert_repeats,
                       "kv_grad_scale": tc.kv_grad_scale, "key_weights": list(tc.key_weights)},
