@@ -87,10 +87,10 @@ RECIPES = {
                             expert_hidden=128, expert_intermediate=384, expert_heads=4, vision_hidden=128,
                             vision_intermediate=256, vision_depth=2, vision_heads=4, deepstack=(0,),
                             in_proj_hidden=128),
-                  train=dict(steps=1500, lr=2e-3, warmup=50, expert_repeats=4, kv_grad_scale=1.0,
+                  train=dict(steps=1150, lr=2e-3, warmup=50, expert_repeats=4, kv_grad_scale=1.0,
                              per_step=(("trajectory", 40), ("meta_action", 8), ("vqa", 8), ("grounding", 8),
                                        ("auto_labeling", 4))),
-                  refine=dict(steps=1500, lr=2e-3, scenes_per_step=64, repeats=4), refine_contexts=4000),
+                  refine=dict(steps=1000, lr=2e-3, scenes_per_step=64, repeats=4), refine_contexts=4000),
 }
 
 

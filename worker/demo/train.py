@@ -226,23 +226,43 @@ def _patch_embed_linear(self, hidden_states):
     return F.linear(hidden_states.to(w.dtype).reshape(-1, w[0].numel()), w.reshape(w.shape[0], -1), self.proj.bias)
 
 
+def _equal_grid_position_ids(per_image: Callable) -> Callable:
+    """transformers' vision rotary position ids (`get_vision_position_ids`) loop over the images
+    in Python (about ten small kernels each: 1,632 images a GPU-recipe step made the step bound by
+    the host, 0.33 s of forward). Images of one grid get the ids of the first, tiled: the same
+    tensor."""
+
+    def position_ids(grid_thw, spatial_merge_size, *args, **kwargs):
+        if len(grid_thw) > 1 and isinstance(spatial_merge_size, int) and bool((grid_thw == grid_thw[:1]).all()):
+            return per_image(grid_thw[:1], spatial_merge_size, *args, **kwargs).repeat(len(grid_thw), 1)
+        return per_image(grid_thw, spatial_merge_size, *args, **kwargs)
+
+    return position_ids
+
+
 class fast_training_paths:
-    """Context: exact, faster forwards for the vision tower's attention and patch embedding
-    (instance attributes, removed on exit; the weights and checkpoint layout are untouched)."""
+    """Context: exact, faster forwards for the vision tower's attention, patch embedding and rotary
+    position ids (instance attributes and one function of transformers' Qwen3-VL module, restored on
+    exit; the weights and checkpoint layout are untouched)."""
 
     def __init__(self, model):
         self.visual = model.vlm.model.visual
 
     def __enter__(self):
+        from transformers.models.qwen3_vl import modeling_qwen3_vl  # heavy: training only
+
         self.patched = [(self.visual.patch_embed, types.MethodType(_patch_embed_linear, self.visual.patch_embed))]
         self.patched += [(b.attn, types.MethodType(_vision_attention_batched, b.attn)) for b in self.visual.blocks]
         for mod, fn in self.patched:
             mod.forward = fn
+        self.module, self.position_ids = modeling_qwen3_vl, modeling_qwen3_vl.get_vision_position_ids
+        modeling_qwen3_vl.get_vision_position_ids = _equal_grid_position_ids(self.position_ids)
         return self
 
     def __exit__(self, *exc):
         for mod, _ in self.patched:
             mod.__dict__.pop("forward", None)
+        self.module.get_vision_position_ids = self.position_ids
 
 
 # ------------------------------------------------------------------ training
@@ -263,6 +283,7 @@ class TrainConfig:
     per_step: tuple[tuple[str, int], ...] = (
         ("trajectory", 5), ("meta_action", 2), ("vqa", 2), ("grounding", 2), ("auto_labeling", 1))
     groups: tuple[tuple[str, ...], ...] = (("trajectory", "meta_action"), ("vqa", "grounding"), ("auto_labeling",))
+    timed_steps: int = 5                 # CUDA only: the first steps log where their time went (synchronised)
 
 
 def lr_at(step: int, c: TrainConfig) -> float:
@@ -390,6 +411,30 @@ def loss_on_batch(model, expert: ActionExpert, batch: _Batch, c: TrainConfig, we
     return loss, stats
 
 
+class _PhaseClock:
+    """Wall time per phase of the first `steps` steps (CUDA synchronised at each mark), for the log."""
+
+    def __init__(self, device: torch.device, steps: int):
+        self.on = device.type == "cuda" and steps > 0
+        self.steps, self.totals, self.t = steps, {}, 0.0
+
+    def start(self, step: int) -> None:
+        self.on = self.on and step < self.steps
+        if self.on:
+            torch.cuda.synchronize()
+            self.t = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        if self.on:
+            torch.cuda.synchronize()
+            now = time.perf_counter()
+            self.totals[phase] = self.totals.get(phase, 0.0) + now - self.t
+            self.t = now
+
+    def summary(self) -> str:
+        return ", ".join(f"{k} {1000 * v / self.steps:.0f} ms" for k, v in self.totals.items())
+
+
 class _Sampler:
     """Per-task epochs without replacement (numpy Generator); each step takes `per_step[task]`
     examples of each task, split into the micro-batches of `groups`."""
@@ -435,6 +480,7 @@ def train(model, runtime: AlpamayoRuntime, examples: Sequence[Example], c: Train
     model.train()
     t0, c0 = time.perf_counter(), time.process_time()
     hist: list[dict] = []
+    clock = _PhaseClock(runtime.device, c.timed_steps)
     # reference_only: the expert's fused GPU kernels have no backward (on a GPU they would cut
     # its layers out of the gradient: a flow loss stuck at 2.0 on the first GPU build)
     with fast_training_paths(model), reference_only():
@@ -447,9 +493,14 @@ def train(model, runtime: AlpamayoRuntime, examples: Sequence[Example], c: Train
             opt.zero_grad(set_to_none=True)
             ce_sum = w_sum = 0.0
             flow = []
+            clock.start(step)
             for g in groups:
-                loss, st = loss_on_batch(model, expert, collate(g, runtime), c, weight_total, traj_total)
+                batch = collate(g, runtime)
+                clock.mark("collate")
+                loss, st = loss_on_batch(model, expert, batch, c, weight_total, traj_total)
+                clock.mark("forward")
                 loss.backward()
+                clock.mark("backward")
                 ce_sum += st["ce_sum"]
                 w_sum += st["w_sum"]
                 if "flow" in st:
@@ -457,6 +508,9 @@ def train(model, runtime: AlpamayoRuntime, examples: Sequence[Example], c: Train
             torch.nn.utils.clip_grad_norm_(vlm_params, c.grad_clip)      # clipped apart: the flow loss's
             torch.nn.utils.clip_grad_norm_(expert_params, c.grad_clip)   # scale never throttles the VLM
             opt.step()
+            clock.mark("optimiser")
+            if log and clock.on and step == c.timed_steps - 1:
+                log(f"time per step over the first {c.timed_steps} steps: {clock.summary()}")
             hist.append({"ce": ce_sum / max(w_sum, 1e-9), "flow": float(np.mean(flow)) if flow else float("nan")})
             if log and (step % 25 == 0 or step == c.steps - 1):
                 log(f"step {step:4d}/{c.steps}  ce {hist[-1]['ce']:.3f}  flow {hist[-1]['flow']:.3f}  "

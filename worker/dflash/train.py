@@ -32,6 +32,7 @@ from worker.dflash.draft import MASK_TOKEN, DraftModel
 from worker.dflash.head import HeadConfig, head_config_for, write_metadata
 from worker.dflash.loop import DFlash2Speculator
 from worker.model.config import AlpamayoConfig
+from worker.model.fused_ops import reference_only
 from worker.model.runtime import AlpamayoRuntime
 from worker.scenes import generate_scene
 from worker.scenes.request import runtime_request
@@ -79,7 +80,7 @@ def collect_sequences(rt, requests, capture: tuple[int, ...]) -> list[Sequence]:
             finally:
                 for h in hooks:
                     h.remove()
-            out.append(Sequence({i: captured[i].float().cpu() for i in capture}, ids, p.rope_delta, plen))
+            out.append(Sequence({i: captured[i].float() for i in capture}, ids.to(rt.device), p.rope_delta, plen))
     return out
 
 
@@ -101,24 +102,25 @@ def _batch_loss(draft: DraftModel, embed, lm_head, seqs: list[Sequence], anchors
                 rng: np.random.Generator, banned: torch.Tensor) -> torch.Tensor:
     c = draft.config
     n = c.block_size
-    weights = torch.tensor([math.exp(-k / GAMMA) for k in range(n - 1)])
     losses = []
     for s in seqs:
+        dev = s.tokens.device
+        weights = torch.tensor([math.exp(-k / GAMMA) for k in range(n - 1)], device=dev)
         L = len(s.tokens)
         gen = L - s.start
         if gen < 2:
             continue
-        a = torch.tensor(rng.integers(s.start, L - 1, size=min(anchors_per_seq, gen - 1)))
+        a = torch.tensor(rng.integers(s.start, L - 1, size=min(anchors_per_seq, gen - 1)), device=dev)
         feats = draft.project({i: h[None] for i, h in s.hidden.items()})                 # (1, L, H)
-        ctx = draft.context_kv(feats, torch.arange(L)[None] + s.rope_delta)
+        ctx = draft.context_kv(feats, torch.arange(L, device=dev)[None] + s.rope_delta)
         m = len(a)
         ctx = [(k.expand(m, -1, -1, -1), v.expand(m, -1, -1, -1)) for k, v in ctx]
-        visible = torch.arange(L)[None, :] < a[:, None]
-        block = torch.full((m, n), c.mask_token_id, dtype=torch.long)
+        visible = torch.arange(L, device=dev)[None, :] < a[:, None]
+        block = torch.full((m, n), c.mask_token_id, dtype=torch.long, device=dev)
         block[:, 0] = s.tokens[a]
-        pos = a[:, None] + torch.arange(n) + s.rope_delta
+        pos = a[:, None] + torch.arange(n, device=dev) + s.rope_delta
         h = draft.block_hidden(embed(block).float(), pos, ctx, visible)                   # (m, n, H)
-        tgt_idx = a[:, None] + 1 + torch.arange(n - 1)                                     # (m, 7)
+        tgt_idx = a[:, None] + 1 + torch.arange(n - 1, device=dev)                                   # (m, 7)
         valid = tgt_idx < L
         tgt = s.tokens[tgt_idx.clamp(max=L - 1)]
         logits = lm_head(h[:, 1:]).float()                                                # (m, 7, V)
@@ -148,6 +150,7 @@ def train_head(rt, train_requests, head_cfg: HeadConfig, steps: int = 400, lr: f
     t_data = time.perf_counter() - t0
     draft = DraftModel(head_cfg).float()
     init_from_base(draft, rt.model)
+    draft.to(rt.device)
     embed = rt.model.language_model.embed_tokens
     lm_head = rt.model.lm_head
     banned = rt._banned_traj.cpu()
@@ -157,7 +160,8 @@ def train_head(rt, train_requests, head_cfg: HeadConfig, steps: int = 400, lr: f
     loss = torch.zeros(())
     for step in range(steps):
         idx = rng.choice(len(seqs), size=min(batch, len(seqs)), replace=False)
-        loss = _batch_loss(draft, embed, lm_head, [seqs[i] for i in idx], anchors_per_seq, rng, banned)
+        with reference_only():         # the fused GPU kernels have no backward
+            loss = _batch_loss(draft, embed, lm_head, [seqs[i] for i in idx], anchors_per_seq, rng, banned)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -170,7 +174,7 @@ def train_head(rt, train_requests, head_cfg: HeadConfig, steps: int = 400, lr: f
             break
     prov = {"method": "self-distillation", "sequences": len(seqs), "steps": done, "final_loss": float(loss.detach()),
             "seed": seed, "data_seconds": round(t_data, 1), "train_seconds": round(time.perf_counter() - t0 - t_data, 1)}
-    return draft.eval().requires_grad_(False), prov
+    return draft.cpu().eval().requires_grad_(False), prov
 
 
 def measure_acceptance(rt_spec, requests) -> dict:
@@ -196,19 +200,29 @@ def demo_requests(seeds, k: int = 1, temperature: float = 0.0):
     return out
 
 
+# head recipes: the CPU one builds in about two minutes where no shipped head exists; the GPU one
+# made the shipped head (docs/demo-model.md)
+HEAD_RECIPES = {"cpu": dict(train_scenes=64, steps=400, batch=4, time_budget_s=120.0),
+                "gpu": dict(train_scenes=256, steps=3000, batch=16, time_budget_s=60.0)}
+
+
 def build_demo_head(checkpoint: str | Path, cache_root: str | Path | None = None, seed: int = 0,
-                    force: bool = False, progress: bool = True, train_scenes: int = 64,
-                    eval_scenes: int = 16, steps: int = 400, time_budget_s: float = 120.0) -> Path:
+                    force: bool = False, progress: bool = True, eval_scenes: int = 16, recipe: str = "cpu",
+                    device: str = "cpu", out: str | Path | None = None) -> Path:
     """The packaged DFlash2 head of the demo checkpoint, cached next to it (keyed by version and
-    the base config hash and weights: worker.demo_cache.head_dir). Returns its directory."""
+    the base config hash and weights: worker.demo_cache.head_dir) or built into `out`. Returns
+    its directory."""
     checkpoint = Path(checkpoint)
     base_cfg = AlpamayoConfig.from_dir(checkpoint)
-    out = head_dir(checkpoint, cache_root or None)
+    out = Path(out) if out is not None else head_dir(checkpoint, cache_root or None)
     if (out / COMPLETE_MARKER).is_file() and not force:
         return out
+    r = HEAD_RECIPES[recipe]
+    train_scenes = r["train_scenes"]
     t0 = time.perf_counter()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    rt = AlpamayoRuntime.load(checkpoint, device="cpu", dtype=torch.float32)
+    if device == "cpu":
+        torch.set_num_threads(min(2, os.cpu_count() or 1))
+    rt = AlpamayoRuntime.load(checkpoint, device=device, dtype=torch.float32)
     head_cfg = head_config_for(base_cfg, mask_token_id=rt.tok.token_to_id(MASK_TOKEN))
     rng = np.random.default_rng(seed + 1000)
     seeds = rng.choice(10_000_000, size=train_scenes + eval_scenes, replace=False) + 50_000_000
@@ -217,14 +231,15 @@ def build_demo_head(checkpoint: str | Path, cache_root: str | Path | None = None
         demo_requests(seeds[half:train_scenes], k=2, temperature=0.6)
     if progress:
         print(f"DFlash2 head: distilling from {checkpoint} ({train_scenes} scenes)", flush=True)
-    draft, prov = train_head(rt, train, head_cfg, steps=steps, seed=seed, time_budget_s=time_budget_s,
-                             progress=progress)
+    draft, prov = train_head(rt, train, head_cfg, steps=r["steps"], seed=seed, batch=r["batch"],
+                             time_budget_s=r["time_budget_s"], progress=progress)
+    prov.update(recipe=recipe, device=device)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     draft.save(tmp)
     write_metadata(tmp, base_cfg, {"trained_for": str(checkpoint.name), "head_version": HEAD_VERSION,
                                    "training": prov, "created_at": time.time()})
-    spec = AlpamayoRuntime.load(checkpoint, device="cpu", dtype=torch.float32,
+    spec = AlpamayoRuntime.load(checkpoint, device=device, dtype=torch.float32,
                                 speculator_factory=DFlash2Speculator.factory(str(tmp)))
     held_out = demo_requests(seeds[train_scenes:], k=1, temperature=0.6)
     quality = measure_acceptance(spec, held_out)
@@ -248,8 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-dir", default=None, help="cache root (default: ALPAMAYO_CACHE, see worker.config)")
     p.add_argument("--force", action="store_true", help="rebuild even if a complete head is cached")
     p.add_argument("--quiet", action="store_true", help="no build progress, only the result")
+    p.add_argument("--recipe", choices=sorted(HEAD_RECIPES), default="cpu", help="training scenes and steps")
+    p.add_argument("--device", default="cpu", help="where to train, e.g. cuda (default cpu)")
+    p.add_argument("--out", default=None, help="build into this directory instead of the cache")
     args = p.parse_args(argv)
-    print(build_demo_head(args.checkpoint, cache_root=args.cache_dir, force=args.force, progress=not args.quiet))
+    print(build_demo_head(args.checkpoint, cache_root=args.cache_dir, force=args.force, progress=not args.quiet,
+                          recipe=args.recipe, device=args.device, out=args.out))
     return 0
 
 

@@ -3,61 +3,78 @@
 from __future__ import annotations
 
 import json
+import re
 
 from worker.scenes.structs import GROUNDING_QUESTION, VQA_QUESTIONS, Plan, SceneFacts, SceneText
 
 
+# Every sentence a reasoning can contain, by key; {gap} is a whole number of metres, {side} left/right.
+# The generator below and `is_wellformed_reasoning` both read this one table.
+REASONING_SENTENCES = {
+    "light_none": "There is no traffic light ahead.",
+    "light_green": "The traffic light ahead is green, so the ego vehicle may proceed.",
+    "light_red": "The traffic light ahead is red, so the ego vehicle must stop before the stop line.",
+    "light_yellow_stop": "The traffic light ahead is yellow and there is room to stop, "
+                         "so the ego vehicle must stop before the stop line.",
+    "light_yellow_go": "The traffic light ahead is yellow but the ego vehicle is too close to stop, so it proceeds.",
+    "lead_none": "There is no lead vehicle ahead.",
+    "lead_stopped_stop": "The lead vehicle is stopped {gap} meters ahead, so the ego vehicle must stop behind it.",
+    "lead_stopped_slow": "The lead vehicle is stopped {gap} meters ahead, so the ego vehicle slows down behind it.",
+    "lead_slower": "The lead vehicle is {gap} meters ahead and slower, so the ego vehicle keeps a safe gap.",
+    "lead_similar": "The lead vehicle is {gap} meters ahead at a similar speed, so the ego vehicle follows it.",
+    "lead_faster": "The lead vehicle is {gap} meters ahead and faster, so it does not limit the ego vehicle.",
+    "pedestrian": "A pedestrian is crossing from the {side}, so the ego vehicle yields and stops before the crosswalk.",
+    "blocked_adjacent": "The {side} lane is blocked by a barrier, so the ego vehicle keeps its lane.",
+    "blocked_ego": "The ego lane is blocked by a barrier ahead, so the ego vehicle changes to the {side} lane.",
+    "road_straight": "The road ahead is straight.",
+    "road_curve": "The road ahead curves to the {side}.",
+}
+_SLOTS = {"{gap}": r"\d+", "{side}": r"(?:left|right)"}
+
+
+def _sentence_pattern(template: str) -> re.Pattern:
+    rx = re.escape(template)
+    for slot, part in _SLOTS.items():
+        rx = rx.replace(re.escape(slot), part)
+    return re.compile(rx)
+
+
+_SENTENCE_PATTERNS = [_sentence_pattern(t) for t in REASONING_SENTENCES.values()]
+
+
+def is_wellformed_reasoning(text: str) -> bool:
+    """Whether every sentence of `text` is one the generator's grammar can produce (each sentence
+    ends with a period; they are separated by single spaces)."""
+    sentences = [x + "." for x in text.strip().split(". ")]
+    sentences[-1] = sentences[-1][:-1]
+    return bool(text.strip()) and all(any(p.fullmatch(x) for p in _SENTENCE_PATTERNS) for x in sentences)
+
+
 def _light_sentence(f: SceneFacts, p: Plan) -> str:
     light = f.traffic_light
-    if light == "none":
-        return "There is no traffic light ahead."
-    if light == "green":
-        return "The traffic light ahead is green, so the ego vehicle may proceed."
-    if light == "red":
-        return "The traffic light ahead is red, so the ego vehicle must stop before the stop line."
-    if p.yellow_stop:
-        return (
-            "The traffic light ahead is yellow and there is room to stop, "
-            "so the ego vehicle must stop before the stop line."
-        )
-    return "The traffic light ahead is yellow but the ego vehicle is too close to stop, so it proceeds."
+    if light == "yellow":
+        return REASONING_SENTENCES["light_yellow_stop" if p.yellow_stop else "light_yellow_go"]
+    return REASONING_SENTENCES[f"light_{light}"]
 
 
 def _lead_sentence(f: SceneFacts, p: Plan) -> str:
     rel = f.lead_relation
-    if rel == "none":
-        return "There is no lead vehicle ahead."
-    gap = int(round(f.lead_gap))
     if rel == "stopped":
-        if p.longitudinal == "Stop":
-            return f"The lead vehicle is stopped {gap} meters ahead, so the ego vehicle must stop behind it."
-        return f"The lead vehicle is stopped {gap} meters ahead, so the ego vehicle slows down behind it."
-    if rel == "slower":
-        return f"The lead vehicle is {gap} meters ahead and slower, so the ego vehicle keeps a safe gap."
-    if rel == "similar":
-        return f"The lead vehicle is {gap} meters ahead at a similar speed, so the ego vehicle follows it."
-    return f"The lead vehicle is {gap} meters ahead and faster, so it does not limit the ego vehicle."
+        rel = "stopped_stop" if p.longitudinal == "Stop" else "stopped_slow"
+    return REASONING_SENTENCES[f"lead_{rel}"].format(gap=int(round(f.lead_gap)))
 
 
 def _reasoning(f: SceneFacts, p: Plan) -> str:
     parts = [_light_sentence(f, p), _lead_sentence(f, p)]
     if f.pedestrian_crossing:
-        parts.append(
-            f"A pedestrian is crossing from the {f.pedestrian_side}, "
-            "so the ego vehicle yields and stops before the crosswalk."
-        )
-    if f.blocked_lane_kind == "adjacent":
-        parts.append(f"The {f.blocked_lane_side} lane is blocked by a barrier, so the ego vehicle keeps its lane.")
-    elif f.blocked_lane_kind == "ego":
-        parts.append(
-            "The ego lane is blocked by a barrier ahead, "
-            f"so the ego vehicle changes to the {f.blocked_lane_side} lane."
-        )
+        parts.append(REASONING_SENTENCES["pedestrian"].format(side=f.pedestrian_side))
+    if f.blocked_lane_kind in ("adjacent", "ego"):
+        parts.append(REASONING_SENTENCES[f"blocked_{f.blocked_lane_kind}"].format(side=f.blocked_lane_side))
     k = f.road_curvature
     if k == 0.0:
-        parts.append("The road ahead is straight.")
+        parts.append(REASONING_SENTENCES["road_straight"])
     else:
-        parts.append(f"The road ahead curves to the {'left' if k > 0 else 'right'}.")
+        parts.append(REASONING_SENTENCES["road_curve"].format(side="left" if k > 0 else "right"))
     return " ".join(parts)
 
 

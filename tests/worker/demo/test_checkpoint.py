@@ -261,3 +261,36 @@ def test_expert_layers_train_where_the_fused_kernels_run(ckpt, tmp_path):
     proc = subprocess.run([sys.executable, str(script), str(ckpt)], cwd=REPO_ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_fast_training_paths_give_the_vision_tower_the_same_output(ckpt, runtime):
+    """The training-only vision paths (batched attention, linear patch embedding, rotary ids of
+    one image tiled over equal grids) are exact, and transformers' per-image loop runs once."""
+    import torch
+    from transformers.models.qwen3_vl import modeling_qwen3_vl
+
+    from worker.demo import train
+    from worker.scenes import generate_scene
+    from worker.scenes.request import runtime_frames
+
+    frames = runtime_frames(generate_scene(7, build.IMAGE_SIZE))[0]
+    pixels, grid = runtime.image_proc(torch.from_numpy(np.asarray(frames)))
+    visual = runtime.model.vlm.model.visual
+    calls = []
+    original = modeling_qwen3_vl.get_vision_position_ids
+
+    def counting(grid_thw, *args, **kwargs):
+        calls.append(len(grid_thw))
+        return original(grid_thw, *args, **kwargs)
+
+    modeling_qwen3_vl.get_vision_position_ids = counting
+    try:
+        with torch.no_grad():
+            slow = visual(pixels, grid_thw=grid).pooler_output
+            assert calls == [len(grid)]
+            with train.fast_training_paths(runtime.model):
+                fast = visual(pixels, grid_thw=grid).pooler_output
+    finally:
+        modeling_qwen3_vl.get_vision_position_ids = original
+    assert calls == [len(grid), 1]                       # the fast path computed one image's ids
+    assert len(grid) > 1 and torch.allclose(fast, slow, atol=1e-5, rtol=1e-5)

@@ -522,3 +522,20 @@ def test_planner_invariants_any_seed(seed):
     t = S.scene_text(f, p, seed % 4, S.lead_bbox(f))
     assert META_RE.match(t.meta_action)
     json.loads(t.auto_labeling)
+
+
+def test_every_generated_reasoning_is_wellformed_and_garbled_text_is_not():
+    """The grammar check reads the generator's own sentence table: every reasoning it writes
+    passes; a repeated clause, a cut sentence, an unknown word or empty text does not."""
+    from worker.scenes import generate_scene
+    from worker.scenes.text import is_wellformed_reasoning
+
+    texts = [generate_scene(seed).text.reasoning for seed in range(200)]
+    assert all(is_wellformed_reasoning(t) for t in texts)
+    good = "There is no traffic light ahead. The lead vehicle is 23 meters ahead and slower, so the ego vehicle " \
+           "keeps a safe gap. The road ahead curves to the left."
+    assert is_wellformed_reasoning(good)
+    for bad in ("The road ahead curves to the right, so the right, so the right.",
+                good[:-1], good.replace("slower", "slowest"), good.replace("23", "twenty"), "",
+                good.replace(" The road", "  The road")):
+        assert not is_wellformed_reasoning(bad), bad
