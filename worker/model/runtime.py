@@ -29,7 +29,7 @@ from worker.model.generate import Speculator, baseline_decode, start_batch
 from worker.model.graphs import GraphCache, bucket
 from worker.model.inputs import ImageProcessing, PromptBuilder, PromptSpec, mrope_positions
 from worker.model.sampling import SamplingParams, sample_key
-from worker.model.tokenizer import generation_stop_ids, load_tokenizer
+from worker.model.tokenizer import generation_stop_ids, load_chat_template, load_tokenizer
 from worker.model.trajectory_tokens import future_tokenizer_from_config, history_tokenizer_from_config
 
 TRAJECTORY_MAX_NEW = 256
@@ -165,6 +165,7 @@ class AlpamayoRuntime:
         speculator = speculator_factory(model, cfg, device, dtype) if speculator_factory else None
         rt = cls(model, cfg, tok, ids, image_proc, device, dtype, speculator, max_model_len)
         rt.stop_ids = generation_stop_ids(checkpoint, int(cfg.text["vocab_size"]))
+        rt.prompts.chat_template = load_chat_template(checkpoint)
         return rt
 
     # ------------------------------------------------------------------ per-scene preparation
