@@ -213,3 +213,18 @@ def test_engine_serves_a_config_only_directory_with_dummy_weights_and_a_random_h
     out = engine.infer([scene(5)])[0]
     assert out.error is None and out.speculative is not None
     assert engine.models_payload()["data"][0]["speculative_decoding"] == "dflash2"
+
+
+def test_each_next_shard_is_read_ahead_while_one_is_copied(ckpt, monkeypatch):
+    import os
+
+    advised = []
+    real = os.posix_fadvise
+
+    def record(fd, offset, length, advice):
+        if advice == os.POSIX_FADV_WILLNEED:
+            advised.append(os.readlink(f"/proc/self/fd/{fd}").rsplit("/", 1)[1])
+        return real(fd, offset, length, advice)
+    monkeypatch.setattr(os, "posix_fadvise", record)
+    load_model(ckpt, device="cpu", dtype=torch.float32)
+    assert advised == sorted(p.name for p in ckpt.glob("*.safetensors"))[1:]
