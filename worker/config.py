@@ -271,7 +271,8 @@ VARIABLES: dict[str, str] = {
     "NIM_ALPAMAYO_SPEC_METRICS": "summary (default on dflash2) | detailed | none (always none on baseline profiles)",
     "NIM_ALPAMAYO_SPECULATIVE_MODEL": "custom DFlash2 head directory (dflash2 profiles only; not with NIM_FT_CHECKPOINT; default: the "
                                       "embedded demo head)",
-    "NIM_FT_CHECKPOINT": "checkpoint directory to serve (default: the embedded demo checkpoint)",
+    "NIM_FT_CHECKPOINT": "checkpoint directory to serve: bf16, or a ModelOpt FP8 export on the fp8 profiles (default: "
+                         "the embedded demo checkpoint)",
     "ALPAMAYO_LOAD_FORMAT": "auto (default): weights from the checkpoint's shards | dummy: a config-only directory "
                             "(config, tokenizer, preprocessor files), random weights of the right shapes and dtype "
                             "made on the device, as vLLM's --load-format dummy (benchmarks; a random head on dflash2 "
