@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from schemas import CAMERAS, TASKS_NEEDING_EGOMOTION
+from worker.model.config import CheckpointError
 
 SYSTEM_PROMPT = "You are a driving assistant that generates safe and accurate actions."
 INSTRUCTIONS = {
@@ -255,6 +256,20 @@ class PromptBuilder:
         messages = self.messages(spec)
         text = self.chat_template.render(messages) if self.chat_template else self.builtin_render(messages)
         return text.replace("<|image_pad|>", "<|image_pad|>" * spec.tokens_per_image)
+
+    def check_template(self, label: str) -> None:
+        """Render every task's prompt once (at load): a chat template that fails, or renders another
+        number of images than the prompt holds, is refused in one line (CheckpointError)."""
+        for task in (*INSTRUCTIONS, *DEFAULT_QUESTIONS):
+            try:
+                text = self.render(PromptSpec(task, (0, 1), 2, 1))
+            except Exception as e:      # jinja2 raises many types for a bad template
+                raise CheckpointError(f"{label}: its chat template cannot render the {task} prompt "
+                                      f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+            if text.count("<|image_pad|>") != 4:
+                raise CheckpointError(f"{label}: its chat template renders {text.count('<|image_pad|>')} image "
+                                      f"placeholders for a {task} prompt of 4 images: it must render each image item "
+                                      "as <|vision_start|><|image_pad|><|vision_end|>")
 
     def encode(self, spec: PromptSpec, history_ids: torch.Tensor | None,
                future_ids: torch.Tensor | None) -> torch.Tensor:

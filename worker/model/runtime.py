@@ -166,6 +166,7 @@ class AlpamayoRuntime:
         rt = cls(model, cfg, tok, ids, image_proc, device, dtype, speculator, max_model_len)
         rt.stop_ids = generation_stop_ids(checkpoint, int(cfg.text["vocab_size"]))
         rt.prompts.chat_template = load_chat_template(checkpoint)
+        rt.prompts.check_template(f"checkpoint {checkpoint}")
         return rt
 
     # ------------------------------------------------------------------ per-scene preparation

@@ -2,8 +2,8 @@
 
 The tokenizer files are read as transformers reads them (`PreTrainedTokenizerFast.from_pretrained`
 on the directory, offline: tokenizer.json with tokenizer_config.json's added tokens); the runtime
-uses its `tokenizers` backend. The release loads the base Qwen3-VL tokenizer and appends `<i0>`..`<i999>` (history bins),
-`<i1000>`..`<i3999>` (future bins) and 29 special tokens, in that order. A checkpoint whose
+uses its `tokenizers` backend. The release loads the base Qwen3-VL tokenizer and appends
+`<i0>`..`<i999>` (history bins), `<i1000>`..`<i3999>` (future bins) and 29 special tokens, in that order. A checkpoint whose
 tokenizer.json already holds them is used as is; otherwise they are appended in the same order,
 so the ids come out as the release's. Resolved ids are checked against config `traj_ids`.
 """

@@ -122,3 +122,18 @@ def test_token_ids_equal_transformers_tokenizer(ckpt, tmp_path):
         for text in [ours.render(spec(t)) for t in TASKS] + list(TARGETS):
             assert ours.tok.encode(text, add_special_tokens=False).ids == \
                 reference(text, add_special_tokens=False).input_ids, (d.name, text[:60])
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{{ messages[0].missing.attribute }}", "cannot render the trajectory prompt"),
+    ("{% for m in messages %}{{ m.content if m.content is string }}{% endfor %}", "renders 0 image placeholders"),
+])
+def test_a_chat_template_that_cannot_render_the_prompt_is_refused_at_load(ckpt, tmp_path, template, message):
+    from worker.model.checkpoint import CheckpointError
+
+    d = tmp_path / "c"
+    shutil.copytree(ckpt, d)
+    (d / "chat_template.jinja").write_text(template)
+    with pytest.raises(CheckpointError, match=message) as e:
+        AlpamayoRuntime.load(d, device="cpu", dtype=torch.float32)
+    assert "\n" not in str(e.value)
