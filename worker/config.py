@@ -18,6 +18,7 @@ from worker.errors import Refusal
 
 PROFILES = ("bf16", "fp8", "bf16-dflash2", "fp8-dflash2")
 SPEC_METRICS = ("summary", "detailed", "none")
+LOAD_FORMATS = ("auto", "dummy")       # vLLM's --load-format: weights from the shards, or random of the right shapes
 GUARANTEES = ("at_least_once", "exactly_once")
 SECURITY = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 SASL = ("SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN")
@@ -49,6 +50,7 @@ class Settings:
     spec_metrics: str = "none"
     speculative_model: Path | None = None      # custom head (NIM_ALPAMAYO_SPECULATIVE_MODEL)
     ft_checkpoint: Path | None = None          # NIM_FT_CHECKPOINT; None = embedded demo checkpoint
+    load_format: str = "auto"                  # ALPAMAYO_LOAD_FORMAT: auto (the shards) | dummy (random weights)
     max_model_len: int | None = None
     device: str | None = None
     # --- kafka
@@ -224,6 +226,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         spec_metrics=spec_metrics,
         speculative_model=head,
         ft_checkpoint=ft,
+        load_format=_choice(env, "ALPAMAYO_LOAD_FORMAT", LOAD_FORMATS, "auto"),
         max_model_len=_int(env, "NIM_ALPAMAYO_MAX_MODEL_LEN", 0, 64, 1 << 20) if max_len else None,
         device=device,
         bootstrap_servers=env.get("ALPAMAYO_KAFKA_BOOTSTRAP_SERVERS") or "127.0.0.1:9092",
@@ -268,7 +271,12 @@ VARIABLES: dict[str, str] = {
     "NIM_ALPAMAYO_SPEC_METRICS": "summary (default on dflash2) | detailed | none (always none on baseline profiles)",
     "NIM_ALPAMAYO_SPECULATIVE_MODEL": "custom DFlash2 head directory (dflash2 profiles only; not with NIM_FT_CHECKPOINT; default: the "
                                       "embedded demo head)",
-    "NIM_FT_CHECKPOINT": "checkpoint directory to serve (default: the embedded demo checkpoint)",
+    "NIM_FT_CHECKPOINT": "checkpoint directory to serve: bf16, or a ModelOpt FP8 export on the fp8 profiles (default: "
+                         "the embedded demo checkpoint)",
+    "ALPAMAYO_LOAD_FORMAT": "auto (default): weights from the checkpoint's shards | dummy: a config-only directory "
+                            "(config, tokenizer, preprocessor files), random weights of the right shapes and dtype "
+                            "made on the device, as vLLM's --load-format dummy (benchmarks; a random head on dflash2 "
+                            "profiles)",
     "NIM_ALPAMAYO_MAX_MODEL_LEN": "context limit in tokens (prompt + generated; default 8192)",
     "ALPAMAYO_DEVICE": "cuda | cpu (default: cuda when available)",
     "ALPAMAYO_KAFKA_BOOTSTRAP_SERVERS": "Kafka bootstrap servers (default 127.0.0.1:9092)",

@@ -17,13 +17,15 @@ from schemas import (AutoLabel, GroundingBox, InferRequest, InferResult, Lineage
                      ResultMetrics, SampleOutput, SpeculativeDecoding, StageTimings, Uncertainty)
 from worker.config import Settings
 from worker.demo_cache import demo_checkpoint, demo_head
-from worker.dflash.head import check_head
+from worker.dflash.draft import MASK_TOKEN, DraftModel
+from worker.dflash.head import check_head, head_config_for
 from worker.dflash.loop import DFlash2Speculator
 from worker.dflash.metrics import speculative_block
-from worker.model.checkpoint import validate_layout
+from worker.model.checkpoint import check_checkpoint
 from worker.model import memory_plan
 from worker.model.memory_plan import MemoryPlan
 from worker.model.runtime import AlpamayoRuntime, SceneRequest, SceneResult
+from worker.model.tokenizer import load_tokenizer
 from worker.uncertainty import uncertainty_block
 
 log = logging.getLogger("alpamayo.engine")
@@ -39,12 +41,27 @@ def resolve_checkpoint(settings: Settings) -> Path:
 
 
 def resolve_head(settings: Settings, checkpoint: Path) -> Path | None:
-    """The custom head (NIM_ALPAMAYO_SPECULATIVE_MODEL) or the packaged one on dflash2 profiles."""
+    """The custom head (NIM_ALPAMAYO_SPECULATIVE_MODEL) or the packaged one on dflash2 profiles
+    (none with ALPAMAYO_LOAD_FORMAT=dummy: a random head then, `random_head_factory`)."""
     if not settings.speculative:
         return None
     if settings.speculative_model is not None:
         return settings.speculative_model
+    if settings.load_format == "dummy":
+        return None
     return demo_head(checkpoint, settings.cache)
+
+
+def random_head_factory(checkpoint: Path):
+    """ALPAMAYO_LOAD_FORMAT=dummy on a dflash2 profile: an untrained DFlash2 head of the right
+    shape for the runtime's model (its cost is real, its proposals random)."""
+    def make(model, cfg, device, dtype):
+        tok, _ = load_tokenizer(checkpoint, cfg)
+        config = head_config_for(cfg, mask_token_id=tok.token_to_id(MASK_TOKEN))
+        with torch.device(device):
+            draft = DraftModel(config).to(dtype).eval().requires_grad_(False)
+        return DFlash2Speculator(draft, model)
+    return make
 
 
 def checkpoint_hash(path: Path) -> str:
@@ -73,7 +90,8 @@ class Engine:
     def prepare(self) -> None:
         """Resolve and check checkpoint and head without loading weights (raises CheckpointError)."""
         self.checkpoint = resolve_checkpoint(self.settings)
-        cfg, _ = validate_layout(self.checkpoint)
+        s = self.settings
+        cfg, _, _ = check_checkpoint(self.checkpoint, s.precision, s.load_format)
         self.head = resolve_head(self.settings, self.checkpoint)
         if self.head is not None:
             check_head(self.head, cfg)
@@ -82,14 +100,16 @@ class Engine:
         if self.checkpoint is None:
             self.prepare()
         t0 = time.perf_counter()
-        factory = DFlash2Speculator.factory(str(self.head)) if self.head is not None else None
+        factory = DFlash2Speculator.factory(str(self.head)) if self.head is not None else \
+            random_head_factory(self.checkpoint) if self.settings.speculative else None
         self.runtime = AlpamayoRuntime.load(self.checkpoint, device=self.settings.device,
                                             precision=self.settings.precision, speculator_factory=factory,
-                                            max_model_len=self.settings.max_model_len)
+                                            max_model_len=self.settings.max_model_len,
+                                            load_format=self.settings.load_format)
         self.identity = ModelIdentity(
             id=MODEL_ID, profile=self.settings.profile, precision=self.settings.precision,
             checkpoint_hash=checkpoint_hash(self.checkpoint),
-            speculative_decoding="dflash2" if self.head is not None else None,
+            speculative_decoding="dflash2" if self.settings.speculative else None,
             speculative_model=str(self.head) if self.head is not None else None)
         self.plan = self.plan_memory()             # MemoryPlanError (a refusal) when one scene does not fit
         log.info("%s", self.plan.describe())
@@ -132,7 +152,7 @@ class Engine:
         s = self.settings
         return {"object": "list", "data": [{
             "id": MODEL_ID, "object": "model", "profile": s.profile, "precision": s.precision,
-            "speculative_decoding": "dflash2" if self.head is not None else None,
+            "speculative_decoding": "dflash2" if s.speculative else None,
             "speculative_model": str(self.head) if self.head is not None else None,
             "k_values": list(s.k_values), "checkpoint": str(self.checkpoint),
             "checkpoint_hash": self.identity.checkpoint_hash if self.identity else None,

@@ -24,6 +24,28 @@ DEFAULT_CORPUS = (
     '{"critical_components_analysis": "x", "bbox_2d": [1, 2, 3, 4], "label": "lead vehicle"} 0123456789'
 )
 
+# The Qwen3-VL chat layout as a chat template (messages of text and image items; an image is one
+# <|image_pad|> between vision markers, expanded by the prompt builder to the image's token count).
+CHAT_TEMPLATE = """{%- for message in messages %}
+    {{- '<|im_start|>' + message.role + '\\n' }}
+    {%- if message.content is string %}
+        {{- message.content }}
+    {%- else %}
+        {%- for item in message.content %}
+            {%- if item.type == 'image' or 'image' in item %}
+                {{- '<|vision_start|><|image_pad|><|vision_end|>' }}
+            {%- elif 'text' in item %}
+                {{- item.text }}
+            {%- endif %}
+        {%- endfor %}
+    {%- endif %}
+    {{- '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
 
 def build_tokenizer(corpus: Iterable[str], vocab_size: int = 1000):
     """A byte-level BPE tokenizer trained on `corpus`, with the Qwen special tokens first and the
@@ -132,13 +154,16 @@ def make_config(tok, dims: Dims = Dims(), dtype: str = "float32", action_space: 
 
 
 def write_support_files(directory: str | Path, tok, config: dict) -> None:
-    """tokenizer.json, tokenizer_config.json, preprocessor_config.json (weights are saved apart)."""
+    """tokenizer.json, tokenizer_config.json, chat_template.jinja, preprocessor_config.json
+    (weights are saved apart). The tokenizer class is transformers' generic fast tokenizer: the
+    demo's byte-level BPE is not Qwen's (whose class re-splits text with Qwen's own pattern)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "Qwen2TokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
         "model_max_length": 32768}, indent=1))
+    (d / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     (d / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Qwen2VLImageProcessorFast", "patch_size": 16, "temporal_patch_size": 2,
         "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],

@@ -21,6 +21,9 @@ import torch
 from transformers.initialization import no_init_weights
 
 from worker.model.config import AlpamayoConfig, CheckpointError
+from worker.model.fp8 import quantize_model_fp8
+from worker.model.modelopt import Fp8Layer, fp8_layers, fp8_shell, quantised_names
+from worker.model.modules import Alpamayo2
 
 log = logging.getLogger("alpamayo.model")
 REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "preprocessor_config.json")
@@ -84,16 +87,22 @@ def scan_shards(directory: Path, label: str) -> dict[str, TensorInfo]:
     return tensors
 
 
-def validate_layout(path: str | Path) -> tuple[AlpamayoConfig, dict[str, TensorInfo]]:
-    """Check a checkpoint directory without allocating model memory. Raises CheckpointError."""
-    path = Path(path)
+def validate_support_files(path: Path) -> AlpamayoConfig:
+    """The files besides the weights (a config-only directory has just these). Raises CheckpointError."""
     label = f"checkpoint {path}"
     if not path.is_dir():
         raise CheckpointError(f"{label}: not a directory")
     missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
     if missing:
         raise CheckpointError(f"{label}: missing {', '.join(missing)}")
-    cfg = AlpamayoConfig.from_dir(path)
+    return AlpamayoConfig.from_dir(path)
+
+
+def validate_layout(path: str | Path) -> tuple[AlpamayoConfig, dict[str, TensorInfo]]:
+    """Check a checkpoint directory without allocating model memory. Raises CheckpointError."""
+    path = Path(path)
+    label = f"checkpoint {path}"
+    cfg = validate_support_files(path)
     tensors = scan_shards(path, label)
     index = path / INDEX_FILE
     shard_names = {t.shard for t in tensors.values()}
@@ -118,21 +127,22 @@ def validate_layout(path: str | Path) -> tuple[AlpamayoConfig, dict[str, TensorI
 
 def expected_shapes(cfg: AlpamayoConfig) -> dict[str, tuple[int, ...]]:
     """State-dict shapes of the model the config describes (built on the meta device)."""
-    from worker.model.modules import Alpamayo2
-
     with torch.device("meta"):
         model = Alpamayo2(cfg)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def check_tensors(cfg: AlpamayoConfig, tensors: dict[str, TensorInfo], path: Path) -> None:
+def check_tensors(cfg: AlpamayoConfig, tensors: dict[str, TensorInfo], path: Path) -> dict[str, Fp8Layer]:
+    """Every tensor the model needs, with its shape; the quantised layers of a ModelOpt FP8
+    export (worker/model/modelopt.py) with their scales. Returns those layers ({} for bf16)."""
     want = expected_shapes(cfg)
     label = f"checkpoint {path}"
+    layers = fp8_layers(path, cfg, tensors, want)
     missing = sorted(set(want) - set(tensors))
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise CheckpointError(f"{label}: missing tensors {', '.join(missing[:3])}{more}")
-    extra = sorted(set(tensors) - set(want))
+    extra = sorted(set(tensors) - set(want) - quantised_names(layers))
     if extra:
         raise CheckpointError(f"{label}: unexpected tensors {', '.join(extra[:3])}"
                               f"{' (and more)' if len(extra) > 3 else ''}")
@@ -140,6 +150,24 @@ def check_tensors(cfg: AlpamayoConfig, tensors: dict[str, TensorInfo], path: Pat
         if tensors[name].shape != shape:
             raise CheckpointError(f"{label}: tensor {name} has shape {list(tensors[name].shape)}, "
                                   f"config.json implies {list(shape)}")
+    return layers
+
+
+def check_checkpoint(path: str | Path, precision: str = "bf16", load_format: str = "auto"):
+    """Everything that can be checked before allocating: the layout, and (load_format auto) every
+    tensor's name and shape, a ModelOpt FP8 export only on an fp8 profile.
+
+    -> (cfg, tensors, quantised layers). Raises CheckpointError in one line."""
+    path = Path(path)
+    if load_format == "dummy":
+        return validate_support_files(path), {}, {}
+    cfg, tensors = validate_layout(path)
+    layers = check_tensors(cfg, tensors, path)
+    if layers and precision != "fp8":
+        raise CheckpointError(f"checkpoint {path} is a ModelOpt FP8 export ({len(layers)} fp8 layers) but the profile "
+                              f"is {precision}: set NIM_MODEL_PROFILE=fp8 or fp8-dflash2 to serve it, or point "
+                              "NIM_FT_CHECKPOINT at the bf16 checkpoint")
+    return cfg, tensors, layers
 
 
 @contextlib.contextmanager
@@ -152,43 +180,107 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16):
-    """Validate, then build the model on `device` in `dtype` without initialising its weights
-    (transformers' `no_init_weights`: no random pass over the parameters) and copy the shards in
-    one at a time, so each byte of the checkpoint is read once and host memory holds one shard.
+def _computed_buffers(cfg: AlpamayoConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The buffers modules compute at construction (rotary frequencies, Fourier features; none
+    is in the checkpoint), taken from a one-layer model of the same config on the CPU: they
+    depend on widths and rope settings, never on depth or vocabulary."""
+    raw = json.loads(json.dumps(cfg.raw))
+    for text in (raw["vlm_config"]["text_config"], raw["expert_config"]["llm_config"]):
+        text.update(num_hidden_layers=1, vocab_size=8, intermediate_size=8)
+    raw["vlm_config"]["vision_config"].update(depth=1, deepstack_visual_indexes=[0], intermediate_size=8)
+    with default_dtype(dtype), torch.device("cpu"), no_init_weights():
+        small = Alpamayo2(AlpamayoConfig.from_dict(raw))
+    return dict(small.named_buffers())
+
+
+def build_empty(cfg: AlpamayoConfig, device, dtype: torch.dtype, fp8: dict[str, Fp8Layer] | None = None):
+    """The module tree on `device` with uninitialised weights: built on the meta device, the
+    checkpoint's quantised layers swapped for fp8 shells, then materialised once (no random pass,
+    no bf16 copy of an fp8 layer); computed buffers are filled in."""
+    device = torch.device(device)
+    with default_dtype(dtype), torch.device("meta"):
+        model = Alpamayo2(cfg)
+    for name in fp8 or {}:
+        parent, child = name.rsplit(".", 1)
+        setattr(model.get_submodule(parent), child, torch.nn.Identity())   # no weight to materialise
+    model.to_empty(device=device)
+    for name, layer in (fp8 or {}).items():
+        parent, child = name.rsplit(".", 1)
+        setattr(model.get_submodule(parent), child, fp8_shell(layer, device, dtype))
+    computed = _computed_buffers(cfg, dtype)
+    for name, buf in model.named_buffers():
+        if name in computed:
+            buf.copy_(computed[name])
+    model.eval().requires_grad_(False)
+    return model
+
+
+def dummy_model(cfg: AlpamayoConfig, device, dtype: torch.dtype, seed: int = 0):
+    """ALPAMAYO_LOAD_FORMAT=dummy: random weights of the right shapes and dtype, initialised on
+    `device` by the modules' own initialisation (vLLM's --load-format dummy)."""
+    torch.manual_seed(seed)
+    with default_dtype(dtype), torch.device(device):
+        model = Alpamayo2(cfg)
+    return model.eval().requires_grad_(False)
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
+               precision: str = "bf16", load_format: str = "auto"):
+    """Check, then build the model on `device` in `dtype` (`build_empty`) and copy the shards in
+    one at a time, so each byte of the checkpoint is read once and host memory holds one shard
+    (the next shard is read ahead by the kernel meanwhile).
+    A ModelOpt FP8 export loads into fp8 layers directly; on the fp8 profile every decoder
+    linear the checkpoint holds in bf16 is quantised at load (worker/model/fp8.py).
 
     Returns (model, cfg). Loading never unpickles: safetensors only.
     """
     from safetensors.torch import load_file
 
-    from worker.model.modules import Alpamayo2
-
     path = Path(path)
-    cfg, tensors = validate_layout(path)
-    check_tensors(cfg, tensors, path)
-    with default_dtype(dtype), torch.device(device), no_init_weights():
-        model = Alpamayo2(cfg)
-    model.eval().requires_grad_(False)
-    params = model.state_dict()
-    shards = sorted({t.shard for t in tensors.values()})
-    total = sum((path / s).stat().st_size for s in shards)
-    done, t0 = 0, time.perf_counter()
-    for i, shard in enumerate(shards):
-        part = load_file(str(path / shard), device=str(device))
-        for name, value in part.items():
-            params[name].copy_(value)
-        del part
-        done += (path / shard).stat().st_size
-        rate = done / max(time.perf_counter() - t0, 1e-9) / 1e9
-        if sys.stderr.isatty():           # a progress bar on a terminal, a log line per shard otherwise
-            bar = "#" * int(30 * done / total)
-            print(f"\rloading {path.name}: [{bar:30s}] {i + 1}/{len(shards)} shards, {done / 1e9:.1f}/"
-                  f"{total / 1e9:.1f} GB, {rate:.2f} GB/s", end="" if i + 1 < len(shards) else "\n",
-                  file=sys.stderr, flush=True)
-        else:
-            log.info("loaded shard %d/%d %s (%.2f of %.2f GB, %.2f GB/s)", i + 1, len(shards), shard,
-                     done / 1e9, total / 1e9, rate)
+    cfg, tensors, fp8 = check_checkpoint(path, precision, load_format)
+    if load_format == "dummy":
+        model = dummy_model(cfg, device, dtype)
+    else:
+        model = build_empty(cfg, device, dtype, fp8)
+        params = model.state_dict()
+        shards = sorted({t.shard for t in tensors.values()})
+        total = sum((path / s).stat().st_size for s in shards)
+        done, t0 = 0, time.perf_counter()
+        for i, shard in enumerate(shards):
+            if i + 1 < len(shards):
+                _read_ahead(path / shards[i + 1])    # the kernel reads the next shard while this one is copied
+            part = load_file(str(path / shard), device=str(device))
+            for name, value in part.items():
+                target = params[name]
+                target.copy_(value.reshape(()) if value.numel() == 1 else value.reshape(target.shape))
+            del part
+            done += (path / shard).stat().st_size
+            _progress(path, i, len(shards), shard, done, total, time.perf_counter() - t0)
+    if precision == "fp8":
+        quantize_model_fp8(model)               # the decoder linears the checkpoint holds in bf16
     return model, cfg
+
+
+def _read_ahead(file: Path) -> None:
+    """Start an asynchronous read of `file` into the page cache (posix_fadvise WILLNEED): disk
+    reads overlap the copy of the shard before it; no process memory is used."""
+    if hasattr(os, "posix_fadvise"):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
+
+
+def _progress(path: Path, i: int, n: int, shard: str, done: int, total: int, seconds: float) -> None:
+    """A progress bar on a terminal, a log line per shard otherwise."""
+    rate = done / max(seconds, 1e-9) / 1e9
+    if sys.stderr.isatty():
+        bar = "#" * int(30 * done / total)
+        print(f"\rloading {path.name}: [{bar:30s}] {i + 1}/{n} shards, {done / 1e9:.1f}/"
+              f"{total / 1e9:.1f} GB, {rate:.2f} GB/s", end="" if i + 1 < n else "\n", file=sys.stderr, flush=True)
+    else:
+        log.info("loaded shard %d/%d %s (%.2f of %.2f GB, %.2f GB/s)", i + 1, n, shard, done / 1e9, total / 1e9, rate)
 
 
 def save_checkpoint(model: torch.nn.Module, config: dict, directory: str | Path,

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from schemas import CAMERAS, TASKS_NEEDING_EGOMOTION
+from worker.model.config import CheckpointError
 
 SYSTEM_PROMPT = "You are a driving assistant that generates safe and accurate actions."
 INSTRUCTIONS = {
@@ -200,43 +201,75 @@ class PromptSpec:
     question: str | None = None
 
 
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"    # one image as a chat template renders it
+
+
 class PromptBuilder:
-    """Renders the prompt text (section 2.5) and tokenizes it once, as the processor would."""
+    """The prompt (section 2.5) as chat messages, rendered with the checkpoint's chat template
+    when it has one (`chat_template`, worker/model/tokenizer.py) and with the built-in Qwen3-VL
+    chat layout otherwise; each image's `<|image_pad|>` then expands to the image's token count,
+    as Qwen3-VL's processor expands it. Tokenized once, as the processor would."""
 
     def __init__(self, tokenizer, token_ids, tokens_per_history: int, tokens_per_future: int,
-                 include_camera_ids: bool = True, frame_label: str = "frame_num"):
+                 include_camera_ids: bool = True, frame_label: str = "frame_num", chat_template=None):
         self.tok = tokenizer
         self.ids = token_ids
         self.tokens_per_history = tokens_per_history
         self.tokens_per_future = tokens_per_future
         self.include_camera_ids = include_camera_ids
         self.frame_label = frame_label
+        self.chat_template = chat_template
 
-    def render(self, spec: PromptSpec) -> str:
-        parts: list[str] = []
-        image = "<|vision_start|>" + "<|image_pad|>" * spec.tokens_per_image + "<|vision_end|>"
+    def messages(self, spec: PromptSpec) -> list[dict]:
+        """System and user messages, the user's content a list of text and image items."""
+        content: list[dict] = []
+
+        def text(t: str) -> None:
+            content.append({"type": "text", "text": t})
         for cid in spec.camera_ids:
             if self.include_camera_ids:
-                parts.append(f"{CAMERAS[cid].display_name}: ")
+                text(f"{CAMERAS[cid].display_name}: ")
             for k in range(spec.num_frames):
                 if self.frame_label == "frame_num":
-                    parts.append(f"frame {k} ")
-                parts.append(image)
+                    text(f"frame {k} ")
+                content.append({"type": "image"})
         if spec.task in TASKS_NEEDING_EGOMOTION:     # the prompt holds the ego history
-            parts.append("<|traj_history_start|>" + "<|traj_history|>" * self.tokens_per_history
-                         + "<|traj_history_end|>")
+            text("<|traj_history_start|>" + "<|traj_history|>" * self.tokens_per_history + "<|traj_history_end|>")
         if spec.task == "auto_labeling":
-            parts.append("<|traj_future_start|>" + "<|traj_future|>" * self.tokens_per_future
-                         + "<|traj_future_end|>")
+            text("<|traj_future_start|>" + "<|traj_future|>" * self.tokens_per_future + "<|traj_future_end|>")
         if spec.nav_text:
-            parts.append(spec.nav_text)
-        if spec.task in INSTRUCTIONS:
-            parts.append(INSTRUCTIONS[spec.task])
-        else:
-            parts.append(spec.question or DEFAULT_QUESTIONS[spec.task])
-        user = "".join(parts)
-        return (f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"
-                f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n")
+            text(spec.nav_text)
+        text(INSTRUCTIONS[spec.task] if spec.task in INSTRUCTIONS else spec.question or DEFAULT_QUESTIONS[spec.task])
+        return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": content}]
+
+    @staticmethod
+    def builtin_render(messages: list[dict]) -> str:
+        """The Qwen3-VL chat layout, for checkpoints without a chat template."""
+        out = []
+        for m in messages:
+            body = m["content"] if isinstance(m["content"], str) else "".join(
+                IMAGE_PLACEHOLDER if item["type"] == "image" else item["text"] for item in m["content"])
+            out.append(f"<|im_start|>{m['role']}\n{body}<|im_end|>\n")
+        return "".join(out) + "<|im_start|>assistant\n"
+
+    def render(self, spec: PromptSpec) -> str:
+        messages = self.messages(spec)
+        text = self.chat_template.render(messages) if self.chat_template else self.builtin_render(messages)
+        return text.replace("<|image_pad|>", "<|image_pad|>" * spec.tokens_per_image)
+
+    def check_template(self, label: str) -> None:
+        """Render every task's prompt once (at load): a chat template that fails, or renders another
+        number of images than the prompt holds, is refused in one line (CheckpointError)."""
+        for task in (*INSTRUCTIONS, *DEFAULT_QUESTIONS):
+            try:
+                text = self.render(PromptSpec(task, (0, 1), 2, 1))
+            except Exception as e:      # jinja2 raises many types for a bad template
+                raise CheckpointError(f"{label}: its chat template cannot render the {task} prompt "
+                                      f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+            if text.count("<|image_pad|>") != 4:
+                raise CheckpointError(f"{label}: its chat template renders {text.count('<|image_pad|>')} image "
+                                      f"placeholders for a {task} prompt of 4 images: it must render each image item "
+                                      "as <|vision_start|><|image_pad|><|vision_end|>")
 
     def encode(self, spec: PromptSpec, history_ids: torch.Tensor | None,
                future_ids: torch.Tensor | None) -> torch.Tensor:

@@ -90,3 +90,35 @@ def plan(device: str, device_total: int, fraction: float, weights: int, bytes_pe
             f"raise ALPAMAYO_GPU_MEMORY_FRACTION to at least {min(1.0, need / device_total):.2f}, or lower "
             f"NIM_ALPAMAYO_MAX_MODEL_LEN / NIM_ALPAMAYO_TRAJ_SAMPLES")
     return p
+
+
+# What CUDA reports as the device's memory (nvidia-smi's MiB) for the GPUs the profiles promise.
+GPUS = {"H100 80GB": 81559 << 20, "H200 141GB": 143771 << 20}
+
+
+@dataclass(frozen=True)
+class ModelBytes:
+    """What one profile keeps on the device: weights (target + draft head) and the bytes of one
+    cache column (target K/V of every layer, plus the draft's context K/V on dflash2 profiles)."""
+
+    weights: int
+    bytes_per_column: int
+    prefill_bytes_per_column: int
+
+
+def scenes_that_fit(device_total: int, fraction: float, model: ModelBytes, capacity: int, k: int) -> int:
+    """Scenes of K samples the persistent cache holds at `capacity` columns per row (0: none)."""
+    try:
+        p = plan("cuda", device_total, fraction, model.weights, model.bytes_per_column, capacity,
+                 rows_wanted=1 << 20, rows_needed=k, prefill_bytes_per_column=model.prefill_bytes_per_column)
+    except MemoryPlanError:
+        return 0
+    return p.max_rows // k
+
+
+def longest_rows_for(device_total: int, fraction: float, model: ModelBytes, scenes: int, k: int) -> int:
+    """The largest capacity (columns per row) at which `scenes` scenes of K samples fit:
+    fraction x total - weights - fixed reserve >= capacity x (scenes x K x column + prefill column)."""
+    fixed = reserve_bytes(device_total, 0)
+    free = int(fraction * device_total) - model.weights - fixed
+    return max(0, free // (scenes * k * model.bytes_per_column + model.prefill_bytes_per_column))

@@ -25,12 +25,11 @@ from worker.model.checkpoint import load_model
 from worker.model.config import AlpamayoConfig, TokenIds
 from worker.model.decoder import TextDecoder
 from worker.model.expert import ActionExpert
-from worker.model.fp8 import quantize_model_fp8
 from worker.model.generate import Speculator, baseline_decode, start_batch
 from worker.model.graphs import GraphCache, bucket
 from worker.model.inputs import ImageProcessing, PromptBuilder, PromptSpec, mrope_positions
 from worker.model.sampling import SamplingParams, sample_key
-from worker.model.tokenizer import generation_stop_ids, load_tokenizer
+from worker.model.tokenizer import generation_stop_ids, load_chat_template, load_tokenizer
 from worker.model.trajectory_tokens import future_tokenizer_from_config, history_tokenizer_from_config
 
 TRAJECTORY_MAX_NEW = 256
@@ -154,20 +153,20 @@ class AlpamayoRuntime:
     def load(cls, checkpoint: str | Path, device: str | torch.device | None = None, precision: str = "bf16",
              dtype: torch.dtype | None = None,
              speculator_factory: Callable[[Any, AlpamayoConfig, torch.device, torch.dtype], Speculator] | None = None,
-             max_model_len: int | None = None):
+             max_model_len: int | None = None, load_format: str = "auto"):
         """Load a checkpoint directory. precision bf16|fp8; dtype overrides the compute dtype
-        (fp32 for exactness tests; CPU defaults to fp32)."""
+        (fp32 for exactness tests; CPU defaults to fp32); load_format auto|dummy (ALPAMAYO_LOAD_FORMAT)."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model, cfg = load_model(checkpoint, device=device, dtype=dtype)
-        if precision == "fp8":
-            quantize_model_fp8(model)
+        model, cfg = load_model(checkpoint, device=device, dtype=dtype, precision=precision, load_format=load_format)
         tok, ids = load_tokenizer(checkpoint, cfg)
         image_proc = ImageProcessing.from_dir(Path(checkpoint), cfg.min_pixels, cfg.max_pixels)
         speculator = speculator_factory(model, cfg, device, dtype) if speculator_factory else None
         rt = cls(model, cfg, tok, ids, image_proc, device, dtype, speculator, max_model_len)
         rt.stop_ids = generation_stop_ids(checkpoint, int(cfg.text["vocab_size"]))
+        rt.prompts.chat_template = load_chat_template(checkpoint)
+        rt.prompts.check_template(f"checkpoint {checkpoint}")
         return rt
 
     # ------------------------------------------------------------------ per-scene preparation

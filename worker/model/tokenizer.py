@@ -1,7 +1,9 @@
 """The extended Alpamayo tokenizer (docs/alpamayo2-model.md section 1.4).
 
-The release loads the base Qwen3-VL tokenizer and appends `<i0>`..`<i999>` (history bins),
-`<i1000>`..`<i3999>` (future bins) and 29 special tokens, in that order. A checkpoint whose
+The tokenizer files are read as transformers reads them (`PreTrainedTokenizerFast.from_pretrained`
+on the directory, offline: tokenizer.json with tokenizer_config.json's added tokens); the runtime
+uses its `tokenizers` backend. The release loads the base Qwen3-VL tokenizer and appends
+`<i0>`..`<i999>` (history bins), `<i1000>`..`<i3999>` (future bins) and 29 special tokens, in that order. A checkpoint whose
 tokenizer.json already holds them is used as is; otherwise they are appended in the same order,
 so the ids come out as the release's. Resolved ids are checked against config `traj_ids`.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from worker.model.config import (FUTURE_BINS, HISTORY_BINS, SPECIAL_TOKENS, AlpamayoConfig,
@@ -17,6 +20,8 @@ from worker.model.config import (FUTURE_BINS, HISTORY_BINS, SPECIAL_TOKENS, Alpa
 
 log = logging.getLogger("alpamayo.model")
 GENERATION_CONFIG = "generation_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 NEUTRAL_PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 QWEN_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|vision_start|>", "<|vision_end|>",
@@ -44,10 +49,14 @@ def extend_tokenizer(tok) -> None:
 
 def load_tokenizer(path: str | Path, cfg: AlpamayoConfig):
     """-> (tokenizers.Tokenizer, TokenIds). Raises CheckpointError naming the mismatch."""
-    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
 
     path = Path(path)
-    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    try:
+        tok = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True).backend_tokenizer
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {path}: tokenizer files not readable by transformers "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     extend_tokenizer(tok)
     missing = [t for t in QWEN_TOKENS if tok.token_to_id(t) is None]
     if missing:
@@ -104,3 +113,41 @@ def generation_stop_ids(path: str | Path, vocab_size: int) -> tuple[int, ...]:
             log.warning("%s sets %s=%s, which this worker does not apply (outputs follow the logits)",
                         label, name, conf[name])
     return tuple(dict.fromkeys(ids))
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """The checkpoint's chat template, rendered as transformers' `apply_chat_template` renders it
+    (its jinja2 environment; the tokenizer's special tokens as variables)."""
+
+    source: str
+    variables: dict[str, str] = field(default_factory=dict)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        rendered, _ = render_jinja_template(conversations=[messages], chat_template=self.source,
+                                            add_generation_prompt=add_generation_prompt, **self.variables)
+        return rendered[0]
+
+
+def load_chat_template(path: str | Path) -> ChatTemplate | None:
+    """The chat template transformers would use for the directory: chat_template.jinja, else
+    tokenizer_config.json's `chat_template` (a string, or the "default" of a list of named
+    templates); None when the checkpoint has none (the built-in rendering is used then)."""
+    path = Path(path)
+    try:
+        conf = json.loads((path / TOKENIZER_CONFIG).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        conf = {}
+    conf = conf if isinstance(conf, dict) else {}
+    source = conf.get("chat_template")
+    if isinstance(source, list):
+        source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
+    if (path / CHAT_TEMPLATE_FILE).is_file():
+        source = (path / CHAT_TEMPLATE_FILE).read_text()
+    if not isinstance(source, str) or not source:
+        return None
+    variables = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in conf.items()
+                 if k.endswith("_token") and isinstance(v, (str, dict))}
+    return ChatTemplate(source, {k: v for k, v in variables.items() if isinstance(v, str)})
