@@ -23,7 +23,7 @@ if not torch.cuda.is_available():        # before Triton is imported: no GPU -> 
 
 from worker.model.attention import attend_reference, cache_attention  # noqa: E402
 from worker.model.decoder import apply_rope, rms_norm, rope_cos_sin  # noqa: E402
-from worker.model.fp8 import WEIGHT_ONLY_MAX_ROWS, quantize_weight, scaled_mm_linear  # noqa: E402
+from worker.model.fp8 import WEIGHT_ONLY_MAX_ROWS, quantize_model_fp8, quantize_weight, scaled_mm_linear  # noqa: E402
 from worker.model.fp8_gemm import LaunchConfig, fp8_linear, launch_config  # noqa: E402
 from worker.model.fused_ops import add_rms_norm, qk_norm_rope_write, reference_only, silu_mul  # noqa: E402
 
@@ -136,13 +136,8 @@ def check_fp8_linear(shape: dict, dtype, dev, gen) -> list[tuple[str, str, float
 SHAPES_ACTIVE: dict = {}
 
 
-def check_model(shape: str, dtype, dev, gen) -> list[tuple[str, float, float]]:
-    """Whole stacks of a random model: decoder step (T = 1, 8), draft block, expert velocity."""
-    from worker.bench import build_model, make_runtime, random_draft
-
-    model, cfg, tok = build_model(shape, dev, dtype)
-    rt = make_runtime(model, cfg, tok, dev, dtype)
-    rows, cap = 3, 160
+def check_decoder_steps(rt, tag: str, rows: int, cap: int, dtype, dev, gen):
+    """Fused decoder steps (T = 1, 8) against the reference ops; -> (check rows, a cache of each)."""
     out = []
     for t in (1, 8):
         cache = rt.decoder.new_cache(rows, cap, dtype, dev)
@@ -157,9 +152,21 @@ def check_model(shape: str, dtype, dev, gen) -> list[tuple[str, float, float]]:
         fused = rt.decoder.forward(ids, start, delta, cache, cap, capture=(0,))
         with reference_only():
             ref = rt.decoder.forward(ids, start, delta, ref_cache, int(start.max()) + t, capture=(0,))
-        out.append((f"decoder step T={t}: logits", *rel_err(fused.logits, ref.logits)))
-        out.append((f"decoder step T={t}: captured hidden", *rel_err(fused.hidden[0], ref.hidden[0])))
-        out.append((f"decoder step T={t}: cache K", *rel_err(cache.k, ref_cache.k)))
+        out.append((f"{tag}decoder step T={t}: logits", *rel_err(fused.logits, ref.logits)))
+        out.append((f"{tag}decoder step T={t}: captured hidden", *rel_err(fused.hidden[0], ref.hidden[0])))
+        out.append((f"{tag}decoder step T={t}: cache K", *rel_err(cache.k, ref_cache.k)))
+    return out, (cache, ref_cache, delta)
+
+
+def check_model(shape: str, dtype, dev, gen) -> list[tuple[str, float, float]]:
+    """Whole stacks of a random model: decoder step (T = 1, 8), draft block, expert velocity, and
+    the decoder step again with fp8 weights (the weight-only kernel against the dequantised ops)."""
+    from worker.bench import build_model, make_runtime, random_draft
+
+    model, cfg, tok = build_model(shape, dev, dtype)
+    rt = make_runtime(model, cfg, tok, dev, dtype)
+    rows, cap = 3, 160
+    out, (cache, ref_cache, delta) = check_decoder_steps(rt, "", rows, cap, dtype, dev, gen)
     # expert: 64 action columns after each row's offset
     x = torch.randn(rows, rt.expert.num_waypoints, 2, device=dev, generator=gen)
     tt = torch.rand(rows, 1, 1, device=dev, generator=gen)
@@ -184,6 +191,9 @@ def check_model(shape: str, dtype, dev, gen) -> list[tuple[str, float, float]]:
         h_ref = draft.block_hidden(emb, positions, [(ck[:, :, :s].clone(), cv[:, :, :s].clone())], visible)
         h_fused = draft.block_hidden_fused(emb, lengths, delta, [(ck, cv)])
     out.append(("draft block hidden", *rel_err(h_fused, h_ref)))
+    quantize_model_fp8(model)
+    rt.decoder.fuse()
+    out += check_decoder_steps(rt, "fp8 ", rows, cap, dtype, dev, gen)[0]
     return out
 
 

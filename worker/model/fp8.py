@@ -7,8 +7,8 @@ Which product runs, by the number of rows M (tokens) of the input:
   larger M on GPUs with fp8 tensor cores (compute capability >= 8.9: Ada, Hopper): a real fp8
       matrix multiply (`torch._scaled_mm`, activations quantised per token on the fly), bound by
       arithmetic like prefill is
-  elsewhere: the weight dequantised to the activation dtype (same numbers, no speed-up), so CPU
-      tests exercise the same quantised weights.
+  elsewhere (and for few rows inside `fused_ops.reference_only()`): the weight dequantised to the
+      activation dtype (same numbers, no speed-up), so CPU tests exercise the same quantised weights.
 """
 
 from __future__ import annotations
@@ -65,9 +65,10 @@ class Fp8Linear(nn.Module):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= WEIGHT_ONLY_MAX_ROWS * self.in_features and available(x):
+        few_rows = x.numel() <= WEIGHT_ONLY_MAX_ROWS * self.in_features
+        if few_rows and available(x):
             return fp8_linear(x, self.weight, self.weight_scale, self.bias)
-        if not self.fast:
+        if few_rows or not self.fast:           # few rows without the kernels (CPU, reference_only())
             return fp8_linear_reference(x, self.weight, self.weight_scale, self.bias)
         return scaled_mm_linear(x, self.weight, self.weight_scale, self.bias)
 
