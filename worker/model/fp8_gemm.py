@@ -64,6 +64,8 @@ MIN_STEPS_PER_SPLIT = 4                # ... while each split still streams this
 MAX_SPLITS = 16
 REDUCE_BLOCK = 1024                    # output columns per program of the split-sum kernel
 SMS_WITHOUT_CUDA = 132                 # the interpreter's stand-in for a device's multiprocessor count
+# Triton chooses interpreter or compiler when the kernels below are defined (module import)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def launch_config(rows: int) -> LaunchConfig:
@@ -186,7 +188,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     _w8_kernel[grid](x2, weight, scale, b, y, part, rows, n, k, x2.stride(0), weight.stride(0), y.stride(0),
                      k_per_split, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                      SPLIT=splits, EVEN_K=k % config.block_k == 0, HAS_BIAS=bias is not None,
-                     DOT_FP32=os.environ.get("TRITON_INTERPRET") == "1", num_warps=config.warps, num_stages=config.stages)
+                     DOT_FP32=_INTERPRETED, num_warps=config.warps, num_stages=config.stages)
     if splits > 1:
         _sum_splits_kernel[(rows, triton.cdiv(n, REDUCE_BLOCK))](
             part, scale, b, y, rows, n, y.stride(0), SPLIT=splits, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK,
