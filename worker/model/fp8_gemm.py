@@ -8,9 +8,9 @@ registers, accumulates in fp32 and applies the channel scale (and bias) in the e
 
 Two forms, chosen per number of rows by `LAUNCH_CONFIGS`:
   gemv  one row per program: each program reads a (BLOCK_N, BLOCK_K) slab of W8 per step with
-        16-byte loads along K, multiplies it by the row's x and keeps a (BLOCK_N, BLOCK_K) fp32
-        partial that is summed once at the end (no tensor cores: a matrix-vector product has
-        nothing for them to do)
+        16-byte loads along K and sums its products with the row's x into BLOCK_N fp32 sums
+        (no tensor cores: a matrix-vector product has nothing for them to do; summing every step
+        keeps registers low, so more programs, and more loads, are in flight per multiprocessor)
   dot   a (BLOCK_M, BLOCK_N) tile per program through tensor cores (tl.dot, BLOCK_M >= 16)
 Both split K across programs when the output tiles alone would leave multiprocessors idle
 (`split_count`): each split writes an fp32 partial and a second kernel sums the splits in a
@@ -117,10 +117,7 @@ if triton is not None:
         n_ok = offs_n < N
         k_start = pid_k * k_per_split
         k_stop = tl.minimum(k_start + k_per_split, K)
-        if BLOCK_M == 1:                                        # gemv: (BLOCK_N, BLOCK_K) fp32 partial
-            part = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_start, k_stop, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
@@ -132,14 +129,12 @@ if triton is not None:
                             other=0.0)
                 w = tl.load(W + offs_n[:, None] * sw_n + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                             other=0.0)
-            if BLOCK_M == 1:
-                part += w.to(tl.float32) * x.to(tl.float32)     # x (1, BLOCK_K) broadcast over the rows of W
+            if BLOCK_M == 1:                                    # gemv: x (1, BLOCK_K) against each row of W
+                acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
             elif DOT_FP32:
                 acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
             else:
                 acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-        if BLOCK_M == 1:
-            acc = tl.sum(part, axis=1)[None, :]
         mask = m_ok[:, None] & n_ok[None, :]
         if SPLIT == 1:
             y = acc * tl.load(SCALE + offs_n, mask=n_ok, other=0.0)[None, :]
