@@ -59,7 +59,8 @@ LAUNCH_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
     (64, LaunchConfig(block_m=64, block_n=64, block_k=128, warps=4, stages=3)),
     (256, LaunchConfig(block_m=64, block_n=128, block_k=64, warps=8, stages=3)),
 )
-PROGRAMS_PER_SM = 4                    # split K until about this many programs per multiprocessor
+PROGRAMS_PER_SM = 8                    # split K until about this many programs per multiprocessor (the gemv
+                                       # form at 61 registers x 128 threads fits 8)
 MIN_STEPS_PER_SPLIT = 4                # ... while each split still streams this many BLOCK_K steps
 MAX_SPLITS = 16
 REDUCE_BLOCK = 1024                    # output columns per program of the split-sum kernel
@@ -89,11 +90,12 @@ def _multiprocessors(device: torch.device) -> int:
 
 def split_count(rows: int, n: int, k: int, config: LaunchConfig, sms: int) -> int:
     """How many K splits: enough programs for PROGRAMS_PER_SM per multiprocessor, each split at
-    least MIN_STEPS_PER_SPLIT steps of BLOCK_K, at most MAX_SPLITS."""
+    least MIN_STEPS_PER_SPLIT steps of BLOCK_K, at most MAX_SPLITS, and the fp32 partials
+    (written, then read back: 8 bytes x splits x rows x N) under a quarter of the weight's N x K."""
     tiles = -(-rows // config.block_m) * -(-n // config.block_n)
     want = -(-PROGRAMS_PER_SM * sms // tiles)
     steps = -(-k // config.block_k)
-    return max(1, min(want, steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(want, steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS, k // (32 * rows)))
 
 
 def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
