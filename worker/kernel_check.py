@@ -283,7 +283,8 @@ def sweep_weight_gemms(dev, gen) -> None:
 # alternatives to LAUNCH_CONFIGS' entry per row count: (block_m, block_n, block_k, warps, stages)
 FP8_SWEEP_CONFIGS = {
     1: [LaunchConfig(1, bn, bk, w, 2)
-        for bn, bk in ((8, 512), (16, 256), (16, 512), (32, 128), (32, 256), (32, 512), (64, 128)) for w in (4, 8)],
+        for bn, bk in ((8, 512), (8, 1024), (16, 256), (16, 512), (16, 1024), (32, 128), (32, 256), (32, 512),
+                       (64, 128)) for w in (4, 8)],
     8: [LaunchConfig(16, bn, bk, w, st) for bn, bk, w, st in ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3),
                                                                (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3))],
     32: [LaunchConfig(32, bn, bk, w, st) for bn, bk, w, st in ((32, 128, 4, 4), (64, 64, 4, 4), (64, 256, 4, 3),
