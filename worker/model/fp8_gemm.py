@@ -168,6 +168,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     (written into `out`, contiguous (..., N), when given). `config` / `splits` override the table
     and the split rule (the GPU sweep compares them)."""
     n, k = weight.shape
+    if weight.stride(1) != 1:
+        raise ValueError(f"fp8_linear: weight must be contiguous along K (strides {tuple(weight.stride())})")
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

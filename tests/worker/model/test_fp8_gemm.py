@@ -87,3 +87,13 @@ def test_fp8_linear_uses_the_kernel_for_few_rows_only(interpreted):
     assert d["reference_only"]["kernel_calls"] == 0
     for case in d.values():
         assert case["shape"][-1] == 24 and case["rel_err"] <= 1e-6, d
+
+
+def test_refuses_a_weight_not_contiguous_along_k():
+    import torch
+
+    from worker.model.fp8_gemm import fp8_linear
+
+    w8 = torch.zeros(16, 8, dtype=torch.float8_e4m3fn).t()            # (8, 16) with strides (1, 8)
+    with pytest.raises(ValueError, match="contiguous along K"):
+        fp8_linear(torch.zeros(1, 16), w8, torch.ones(8))
