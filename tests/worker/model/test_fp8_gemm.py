@@ -11,8 +11,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests import REPO_ROOT
+from worker.model.fp8_gemm import fp8_linear
 
 _CASES = r"""
 import json
@@ -90,10 +92,6 @@ def test_fp8_linear_uses_the_kernel_for_few_rows_only(interpreted):
 
 
 def test_refuses_a_weight_not_contiguous_along_k():
-    import torch
-
-    from worker.model.fp8_gemm import fp8_linear
-
     w8 = torch.zeros(16, 8, dtype=torch.float8_e4m3fn).t()            # (8, 16) with strides (1, 8)
     with pytest.raises(ValueError, match="contiguous along K"):
         fp8_linear(torch.zeros(1, 16), w8, torch.ones(8))
