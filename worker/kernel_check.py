@@ -1,7 +1,7 @@
 """GPU path check: `python -m worker.kernel_check [--shape 32b|mid|tiny]`.
 
 Compares the Triton kernels of the serving path (`worker/model/attention.py`,
-`worker/model/fused_ops.py`, `worker/model/layers.py`) with the reference torch ops on fresh
+`worker/model/fused_ops.py`, `worker/model/layers.py`, `worker/model/fp8_gemm.py`) with the reference torch ops on fresh
 random inputs of every shape the model uses (decode, verify(8), draft block, expert), and prints
 one row per check with the relative error ||out - ref|| / ||ref|| against an fp64 reference on the
 same (rounded) inputs, and the max abs difference. Exits 1 when any check fails its bound.
@@ -23,6 +23,8 @@ if not torch.cuda.is_available():        # before Triton is imported: no GPU -> 
 
 from worker.model.attention import attend_reference, cache_attention  # noqa: E402
 from worker.model.decoder import apply_rope, rms_norm, rope_cos_sin  # noqa: E402
+from worker.model.fp8 import WEIGHT_ONLY_MAX_ROWS, quantize_model_fp8, quantize_weight, scaled_mm_linear  # noqa: E402
+from worker.model.fp8_gemm import LaunchConfig, fp8_linear, launch_config  # noqa: E402
 from worker.model.fused_ops import add_rms_norm, qk_norm_rope_write, reference_only, silu_mul  # noqa: E402
 
 # (rows, T, Hq, Hkv, D, capacity) per use; capacity includes free columns after the live keys.
@@ -32,14 +34,22 @@ SHAPES = {
             "verify": [(1, 8, 64, 8, 128, 8192), (4, 8, 64, 8, 128, 8192), (32, 8, 64, 8, 128, 4608)],
             "draft": [(1, 8, 64, 8, 128, 8192), (32, 8, 64, 8, 128, 4608)],
             "expert": [(1, 64, 16, 8, 128, 8192), (8, 64, 16, 8, 128, 4608)],
-            "hidden": 5120, "intermediate": 25600},
+            "hidden": 5120, "intermediate": 25600,
+            # weight products (name, N, K): the text layer's fused q/k/v, o, fused gate/up, down,
+            # then the expert's (1536 wide, 16/8 heads, intermediate 6144)
+            "linear": [("qkv", (64 + 16) * 128, 5120), ("o", 5120, 64 * 128), ("gate/up", 2 * 25600, 5120),
+                       ("down", 5120, 25600), ("expert qkv", (16 + 16) * 128, 1536), ("expert o", 1536, 16 * 128),
+                       ("expert gate/up", 2 * 6144, 1536), ("expert down", 1536, 6144)]},
     "tiny": {"decode": [(1, 1, 4, 2, 16, 96), (3, 1, 4, 2, 16, 80), (64, 1, 4, 2, 16, 48)],
              "verify": [(2, 8, 4, 2, 16, 96), (64, 8, 4, 2, 16, 48)],
              "draft": [(2, 8, 4, 2, 16, 64)],
              "expert": [(2, 24, 4, 2, 16, 80), (2, 64, 4, 2, 16, 96)],
-             "hidden": 64, "intermediate": 160},
+             "hidden": 64, "intermediate": 160,
+             "linear": [("qkv", (4 + 4) * 16, 64), ("o", 64, 64), ("gate/up", 2 * 160, 64), ("down", 64, 160),
+                        ("odd", 37, 300)]},
 }
 SHAPES["mid"] = SHAPES["tiny"]
+FP8_ROWS = (1, 8, 32, 128)                # rows of the fp8 weight-only checks (decode, verify, batches)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -105,16 +115,44 @@ def check_fused_ops(shape: dict, dtype, dev, gen) -> list[tuple[str, float, floa
     return rows
 
 
+def _replayed(fn, like: torch.Tensor) -> torch.Tensor:
+    """fn(out) run again into a NaN-poisoned `out`: on a GPU captured in a CUDA graph and replayed."""
+    out = torch.full_like(like, float("nan"))
+    if not out.is_cuda:
+        fn(out)
+        return out
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(out)
+    out.fill_(float("nan"))
+    graph.replay()
+    return out
+
+
+def check_fp8_linear(shape: dict, dtype, dev, gen) -> list[tuple[str, str, float, float]]:
+    """The weight-only fp8 product at each weight shape and FP8_ROWS rows against fp64 of the
+    dequantised product; a second launch (on the GPU: captured in a CUDA graph and replayed)
+    must give the same bits."""
+    rows = []
+    for name, n, k in shape["linear"]:
+        w8, scale = quantize_weight(torch.randn(n, k, device=dev, generator=gen))
+        w64 = w8.double() * scale.double()[:, None]
+        for m in FP8_ROWS:
+            x = torch.randn(m, k, device=dev, generator=gen).to(dtype)
+            out = torch.full((m, n), float("nan"), device=dev, dtype=dtype)
+            fp8_linear(x, w8, scale, out=out)
+            same = torch.equal(out, _replayed(lambda o: fp8_linear(x, w8, scale, out=o), out))
+            err = rel_err(out, x.double() @ w64.t()) if same else (float("nan"), float("nan"))
+            rows.append((f"fp8 weight-only {name}", f"M {m}, {k} -> {n}", *err))
+        del w64
+    return rows
+
+
 SHAPES_ACTIVE: dict = {}
 
 
-def check_model(shape: str, dtype, dev, gen) -> list[tuple[str, float, float]]:
-    """Whole stacks of a random model: decoder step (T = 1, 8), draft block, expert velocity."""
-    from worker.bench import build_model, make_runtime, random_draft
-
-    model, cfg, tok = build_model(shape, dev, dtype)
-    rt = make_runtime(model, cfg, tok, dev, dtype)
-    rows, cap = 3, 160
+def check_decoder_steps(rt, tag: str, rows: int, cap: int, dtype, dev, gen):
+    """Fused decoder steps (T = 1, 8) against the reference ops; -> (check rows, a cache of each)."""
     out = []
     for t in (1, 8):
         cache = rt.decoder.new_cache(rows, cap, dtype, dev)
@@ -129,9 +167,21 @@ def check_model(shape: str, dtype, dev, gen) -> list[tuple[str, float, float]]:
         fused = rt.decoder.forward(ids, start, delta, cache, cap, capture=(0,))
         with reference_only():
             ref = rt.decoder.forward(ids, start, delta, ref_cache, int(start.max()) + t, capture=(0,))
-        out.append((f"decoder step T={t}: logits", *rel_err(fused.logits, ref.logits)))
-        out.append((f"decoder step T={t}: captured hidden", *rel_err(fused.hidden[0], ref.hidden[0])))
-        out.append((f"decoder step T={t}: cache K", *rel_err(cache.k, ref_cache.k)))
+        out.append((f"{tag}decoder step T={t}: logits", *rel_err(fused.logits, ref.logits)))
+        out.append((f"{tag}decoder step T={t}: captured hidden", *rel_err(fused.hidden[0], ref.hidden[0])))
+        out.append((f"{tag}decoder step T={t}: cache K", *rel_err(cache.k, ref_cache.k)))
+    return out, (cache, ref_cache, delta)
+
+
+def check_model(shape: str, dtype, dev, gen) -> list[tuple[str, float, float]]:
+    """Whole stacks of a random model: decoder step (T = 1, 8), draft block, expert velocity, and
+    the decoder step again with fp8 weights (the weight-only kernel against the dequantised ops)."""
+    from worker.bench import build_model, make_runtime, random_draft
+
+    model, cfg, tok = build_model(shape, dev, dtype)
+    rt = make_runtime(model, cfg, tok, dev, dtype)
+    rows, cap = 3, 160
+    out, (cache, ref_cache, delta) = check_decoder_steps(rt, "", rows, cap, dtype, dev, gen)
     # expert: 64 action columns after each row's offset
     x = torch.randn(rows, rt.expert.num_waypoints, 2, device=dev, generator=gen)
     tt = torch.rand(rows, 1, 1, device=dev, generator=gen)
@@ -156,6 +206,9 @@ def check_model(shape: str, dtype, dev, gen) -> list[tuple[str, float, float]]:
         h_ref = draft.block_hidden(emb, positions, [(ck[:, :, :s].clone(), cv[:, :, :s].clone())], visible)
         h_fused = draft.block_hidden_fused(emb, lengths, delta, [(ck, cv)])
     out.append(("draft block hidden", *rel_err(h_fused, h_ref)))
+    quantize_model_fp8(model)
+    rt.decoder.fuse()
+    out += check_decoder_steps(rt, "fp8 ", rows, cap, dtype, dev, gen)[0]
     return out
 
 
@@ -185,6 +238,15 @@ def sweep_expert_attention(dev, gen) -> None:
         print(f"| {name} | {ms * 1e3:.1f} | {flops / ms / 1e9:.0f} |", flush=True)
 
 
+def copy_bandwidth(dev) -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read + write)."""
+    import triton.testing
+
+    big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    copy_ms = triton.testing.do_bench(lambda: big.clone(), warmup=5, rep=50, return_mode="median")
+    return 2 * big.numel() / (copy_ms * 1e-3)
+
+
 def sweep_weight_gemms(dev, gen) -> None:
     """Times the 32B layer's weight products at M = 1, 8, 32, 128, 256 rows in three forms: F.linear
     on the (N, K) weight (today's), the same through cuBLASLt, and x @ W^T stored (K, N)
@@ -195,10 +257,7 @@ def sweep_weight_gemms(dev, gen) -> None:
     n_hidden, n_inter, n_qkv = 5120, 25600, (64 + 16) * 128
     shapes = {"gate/up": (2 * n_inter, n_hidden), "down": (n_hidden, n_inter), "qkv": (n_qkv, n_hidden),
               "o": (n_hidden, 64 * 128)}
-    big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    copy_ms = triton.testing.do_bench(lambda: big.clone(), warmup=5, rep=50, return_mode="median")
-    bw = 2 * big.numel() / (copy_ms * 1e-3)
-    del big
+    bw = copy_bandwidth(dev)
     print(f"| weight product (copy bandwidth {bw / 1e12:.2f} TB/s) | M | bytes floor us | F.linear us "
           f"| cuBLASLt us | x @ W^T (K, N) us |\n|---|---|---|---|---|---|")
     for name, (n, k) in shapes.items():
@@ -221,12 +280,87 @@ def sweep_weight_gemms(dev, gen) -> None:
         del w, wt
 
 
+# alternatives to LAUNCH_CONFIGS' entry per row count: (block_m, block_n, block_k, warps, stages)
+FP8_SWEEP_CONFIGS = {
+    1: [LaunchConfig(1, bn, bk, w, 2)
+        for bn, bk in ((8, 512), (8, 1024), (16, 256), (16, 512), (16, 1024), (32, 128), (32, 256), (32, 512),
+                       (64, 128)) for w in (4, 8)],
+    8: [LaunchConfig(16, bn, bk, w, st) for bn, bk, w, st in ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3),
+                                                               (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3))],
+    32: [LaunchConfig(32, bn, bk, w, st) for bn, bk, w, st in ((32, 128, 4, 4), (64, 64, 4, 4), (64, 256, 4, 3),
+                                                                (128, 128, 4, 3), (128, 128, 8, 3))],
+}
+
+
+STREAMED_BYTES = 256 << 20             # weight copies cycled per timing: more than the L2 cache holds
+
+
+def _bench_streamed_us(fn, weight: torch.Tensor, *rest: torch.Tensor) -> float:
+    """Microseconds of fn(weight, *rest) replayed in a CUDA graph, cycling through copies of the
+    weight (and `rest`, its companions) that together exceed the L2 cache, so each call reads
+    its weight from memory as a decode step does."""
+    import itertools
+
+    import triton.testing
+
+    copies = [(weight, *rest)] + [(weight.clone(), *(r.clone() for r in rest))
+                                  for _ in range(-(-STREAMED_BYTES // (weight.numel() * weight.element_size())) - 1)]
+    turn = itertools.count()
+    return triton.testing.do_bench_cudagraph(lambda: fn(*copies[next(turn) % len(copies)]),
+                                             return_mode="median") * 1e3
+
+
+def sweep_fp8_linear(dev, gen) -> None:
+    """Times the weight-only fp8 product (the launch-config table's choice) against fp8 x fp8
+    `_scaled_mm` and bf16 F.linear at the 32B weight shapes and several row counts, then the
+    alternatives in FP8_SWEEP_CONFIGS (with the split rule and without splitting) on the text
+    layer's shapes. Each form is captured in a CUDA graph (as the serving path runs it) and reads
+    its weight from memory, not from L2 (GPU only; prints tables; Fp8Linear uses weight-only up to
+    WEIGHT_ONLY_MAX_ROWS)."""
+    bw = copy_bandwidth(dev)
+    print(f"\n| fp8 product (copy bandwidth {bw / 1e12:.2f} TB/s) | M | fp8 bytes floor us | weight-only us "
+          "| _scaled_mm us | bf16 F.linear us | bf16 / weight-only | Fp8Linear uses |\n" + "|---" * 8 + "|")
+    weights = {}
+    for name, n, k in SHAPES["32b"]["linear"]:
+        w8, scale = quantize_weight(torch.randn(n, k, device=dev, generator=gen))
+        w16 = torch.randn(n, k, device=dev, generator=gen).to(torch.bfloat16)
+        weights[name] = (w8, scale)
+        for m in (1, 8, 32, 64, 128, 256):
+            x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+            ours = _bench_streamed_us(lambda w, s: fp8_linear(x, w, s), w8, scale)
+            scaled = _bench_streamed_us(lambda w, s: scaled_mm_linear(x, w, s), w8, scale)
+            bf16 = _bench_streamed_us(lambda w: torch.nn.functional.linear(x, w), w16)
+            uses = "weight-only" if m <= WEIGHT_ONLY_MAX_ROWS else "_scaled_mm"
+            print(f"| {name} ({n}x{k}) | {m} | {n * k / bw * 1e6:.1f} | {ours:.1f} | {scaled:.1f} | {bf16:.1f} "
+                  f"| {bf16 / ours:.2f} | {uses} |", flush=True)
+        del w16
+        torch.cuda.empty_cache()
+    print("\n| fp8 weight-only config (block_m, block_n, block_k, warps, stages) | M | shape | us, split rule "
+          "| us, no split | table's choice |\n|---|---|---|---|---|---|")
+    for m, configs in FP8_SWEEP_CONFIGS.items():
+        for name in ("qkv", "o", "gate/up", "down"):
+            w8, scale = weights[name]
+            x = torch.randn(m, w8.shape[1], device=dev, generator=gen).to(torch.bfloat16)
+            for c in [launch_config(m)] + [c for c in configs if c != launch_config(m)]:
+                try:
+                    times = [_bench_streamed_us(lambda w, s: fp8_linear(x, w, s, config=c, splits=sp), w8, scale)
+                             for sp in (None, 1)]
+                except Exception as e:          # a config over the shared-memory or register limit
+                    print(f"| {c} | {m} | {name} | {type(e).__name__} | - | |")
+                    continue
+                print(f"| {c.block_m}, {c.block_n}, {c.block_k}, {c.warps}, {c.stages} | {m} | {name} "
+                      f"| {times[0]:.1f} | {times[1]:.1f} | {'yes' if c == launch_config(m) else ''} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m worker.kernel_check", description=__doc__.split("\n")[0])
     gpu = torch.cuda.is_available()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="32b" if gpu else "tiny")
     ap.add_argument("--sweep", action="store_true",
-                    help="also time the expert attention's launch configurations and the weight products' forms")
+                    help="also time the expert attention's launch configurations, the weight products' forms "
+                         "and the fp8 weight-only product against _scaled_mm and bf16")
+    ap.add_argument("--fp8-only", action="store_true",
+                    help="only the fp8 weight-only product's checks (and, with --sweep, its timings)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if gpu else "cpu")
     SHAPES_ACTIVE.update(SHAPES[args.shape])
@@ -238,26 +372,33 @@ def main(argv: list[str] | None = None) -> int:
     print("| check | shape (rows, T, Hq, Hkv, D, capacity) | dtype | rel err | max abs diff | status |")
     print("|---|---|---|---|---|---|")
     for dtype in dtypes:
-        for use in ("decode", "verify", "draft", "expert"):
+        for use in () if args.fp8_only else ("decode", "verify", "draft", "expert"):
             for shape in SHAPES[args.shape][use]:
                 err, mx = check_attention(use, shape, dtype, dev, gen)
                 ok = err <= bound[dtype]
                 failed += not ok
                 print(f"| attention {use} | {shape} | {str(dtype)[6:]} | {err:.2e} | {mx:.2e} | {'ok' if ok else 'FAIL'} |")
-        for name, err, mx in check_fused_ops(SHAPES[args.shape], dtype, dev, gen):
+        for name, err, mx in [] if args.fp8_only else check_fused_ops(SHAPES[args.shape], dtype, dev, gen):
             ok = err <= bound[dtype]
             failed += not ok
             print(f"| {name} | hidden {SHAPES[args.shape]['hidden']} | {str(dtype)[6:]} | {err:.2e} | {mx:.2e} "
                   f"| {'ok' if ok else 'FAIL'} |")
+        for name, where, err, mx in check_fp8_linear(SHAPES[args.shape], dtype, dev, gen):
+            ok = err <= bound[dtype]
+            failed += not ok
+            print(f"| {name} | {where} | {str(dtype)[6:]} | {err:.2e} | {mx:.2e} | {'ok' if ok else 'FAIL'} |",
+                  flush=True)
     model_shape = "tiny" if args.shape == "tiny" else "mid"
-    for dtype in dtypes:
+    for dtype in [] if args.fp8_only else dtypes:
         for name, err, mx in check_model(model_shape, dtype, dev, gen):
             ok = err <= bound[dtype]
             failed += not ok
             print(f"| {name} | model {model_shape} | {str(dtype)[6:]} | {err:.2e} | {mx:.2e} | {'ok' if ok else 'FAIL'} |")
     if args.sweep and gpu:
-        sweep_expert_attention(dev, gen)
-        sweep_weight_gemms(dev, gen)
+        if not args.fp8_only:
+            sweep_expert_attention(dev, gen)
+            sweep_weight_gemms(dev, gen)
+        sweep_fp8_linear(dev, gen)
     print(f"{'FAILED' if failed else 'passed'}: {failed} check(s) out of bounds")
     return 1 if failed else 0
 

@@ -1,18 +1,29 @@
 """fp8 profiles: e4m3 weights with one scale per output channel.
 
-On GPUs with fp8 tensor cores (compute capability >= 8.9: Ada, Hopper) the product runs as a
-real fp8 matrix multiply (`torch._scaled_mm`, activations quantised per token on the fly);
-elsewhere the weight is dequantised to the activation dtype (same numbers, no speed-up), so CPU
-tests exercise the same quantised weights.
+Which product runs, by the number of rows M (tokens) of the input:
+  M <= WEIGHT_ONLY_MAX_ROWS, where the Triton kernels run (GPU, or TRITON_INTERPRET=1):
+      weight-only fp8 (`fp8_gemm.fp8_linear`: bf16 activations, the weight widened in registers),
+      bound by the weight's bytes like decode, verify, draft and expert steps are
+  larger M on GPUs with fp8 tensor cores (compute capability >= 8.9: Ada, Hopper): a real fp8
+      matrix multiply (`torch._scaled_mm`, activations quantised per token on the fly), bound by
+      arithmetic like prefill is
+  elsewhere (and for few rows inside `fused_ops.reference_only()`): the weight dequantised to the
+      activation dtype (same numbers, no speed-up), so CPU tests exercise the same quantised weights.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from worker.model.fp8_gemm import fp8_linear, fp8_linear_reference
+from worker.model.fused_ops import available
+
 E4M3_MAX = 448.0
+# Up to this many rows the weight-only kernel runs (its time is the weight's bytes, about half
+# of bf16's); above it fp8 x fp8 `_scaled_mm` (arithmetic-bound: twice bf16's tensor-core rate).
+# `python -m worker.kernel_check --sweep` times both forms at M = 1 ... 256 on the GPU.
+WEIGHT_ONLY_MAX_ROWS = 64
 
 
 def _has_fp8_mm(device: torch.device) -> bool:
@@ -20,19 +31,25 @@ def _has_fp8_mm(device: torch.device) -> bool:
         and hasattr(torch, "_scaled_mm")
 
 
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) weight -> (its e4m3 values (out, in), fp32 scale per output channel (out,))."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / E4M3_MAX).clamp(min=1e-12)
+    return (w / scale[:, None]).to(torch.float8_e4m3fn), scale
+
+
 class Fp8Linear(nn.Module):
     """y = x W^T + b with W (out, in) stored as e4m3 and scale (out,) fp32: W ≈ W8 * scale[:, None]."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        w = linear.weight.detach().float()
-        scale = (w.abs().amax(dim=1) / E4M3_MAX).clamp(min=1e-12)
-        self.register_buffer("weight", (w / scale[:, None]).to(torch.float8_e4m3fn))
+        w8, scale = quantize_weight(linear.weight)
+        self.register_buffer("weight", w8)
         self.register_buffer("weight_scale", scale)
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.compute_dtype = linear.weight.dtype
-        self.fast = _has_fp8_mm(w.device) and self.in_features % 16 == 0 and self.out_features % 16 == 0
+        self.fast = _has_fp8_mm(w8.device) and self.in_features % 16 == 0 and self.out_features % 16 == 0
 
     @classmethod
     def from_parts(cls, weight: torch.Tensor, scale: torch.Tensor, compute_dtype: torch.dtype) -> "Fp8Linear":
@@ -47,19 +64,25 @@ class Fp8Linear(nn.Module):
         m.fast = _has_fp8_mm(weight.device) and m.in_features % 16 == 0 and m.out_features % 16 == 0
         return m
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        return (self.weight.to(torch.float32) * self.weight_scale[:, None]).to(dtype)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.fast:
-            return F.linear(x, self.dequantized(x.dtype), self.bias)
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        x_scale = (x2.abs().amax(dim=1, keepdim=True).float() / E4M3_MAX).clamp(min=1e-12)
-        xq = (x2.float() / x_scale).to(torch.float8_e4m3fn)
-        y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale[None, :],
-                             bias=self.bias, out_dtype=x.dtype if x.dtype != torch.float32 else torch.bfloat16)
-        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        few_rows = x.numel() <= WEIGHT_ONLY_MAX_ROWS * self.in_features
+        if few_rows and available(x):
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+        if few_rows or not self.fast:           # few rows without the kernels (CPU, reference_only())
+            return fp8_linear_reference(x, self.weight, self.weight_scale, self.bias)
+        return scaled_mm_linear(x, self.weight, self.weight_scale, self.bias)
+
+
+def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp8 x fp8 product on the tensor cores: x quantised to e4m3 per row, then `torch._scaled_mm`
+    with both scales (GPUs with compute capability >= 8.9, dimensions multiples of 16)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    x_scale = (x2.abs().amax(dim=1, keepdim=True).float() / E4M3_MAX).clamp(min=1e-12)
+    xq = (x2.float() / x_scale).to(torch.float8_e4m3fn)
+    y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale[None, :], bias=bias,
+                         out_dtype=x.dtype if x.dtype != torch.float32 else torch.bfloat16)
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def quantize_linears(module: nn.Module) -> int:

@@ -1,0 +1,97 @@
+"""The weight-only fp8 product (worker/model/fp8_gemm.py) through Triton's interpreter on the CPU:
+odd shapes against fp64 of the dequantised product, the same bits on a second launch, and
+Fp8Linear choosing it for few rows. Triton picks interpreter or compiler when a kernel is
+defined, so the cases run in one subprocess with TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests import REPO_ROOT
+from worker.model.fp8_gemm import fp8_linear
+
+_CASES = r"""
+import json
+from unittest import mock
+
+import torch
+
+import worker.model.fp8 as fp8
+from worker.model.fp8_gemm import LaunchConfig, fp8_linear, launch_config, split_count, SMS_WITHOUT_CUDA
+from worker.model.fused_ops import reference_only
+
+gen = torch.Generator().manual_seed(7)
+out = {"products": [], "dispatch": {}}
+# (rows, N, K, dtype, bias, splits): K and N not multiples of any block; None = the split rule
+for m, n, k, dtype, bias, splits in [(1, 37, 300, "float32", True, None), (1, 37, 300, "bfloat16", False, 3),
+                                     (3, 37, 300, "float32", False, 3), (3, 45, 129, "bfloat16", True, None),
+                                     (17, 70, 300, "float32", True, 2), (17, 70, 300, "bfloat16", False, None),
+                                     (1, 40, 2100, "float32", False, None), (300, 20, 40, "float32", False, None)]:
+    dt = getattr(torch, dtype)
+    w8, scale = fp8.quantize_weight(torch.randn(n, k, generator=gen))
+    x = torch.randn(m, k, generator=gen).to(dt)
+    b = torch.randn(n, generator=gen).to(dt) if bias else None
+    y = fp8_linear(x, w8, scale, b, splits=splits)
+    ref = x.double() @ (w8.double() * scale.double()[:, None]).t() + (b.double() if bias else 0)
+    out["products"].append(dict(
+        case=[m, n, k, dtype, bias, splits], dtype=str(y.dtype)[6:], shape=list(y.shape),
+        splits_used=splits or split_count(m, n, k, launch_config(m), SMS_WITHOUT_CUDA),
+        rel_err=float((y.double() - ref).norm() / ref.norm()), same_bits=torch.equal(y, fp8_linear(x, w8, scale, b,
+                                                                                                  splits=splits))))
+# Fp8Linear: which product runs for few rows, many rows, and inside reference_only()
+lin = fp8.Fp8Linear(torch.nn.Linear(48, 24, bias=False))
+for name, rows, ref_only in [("few", 3, False), ("limit", fp8.WEIGHT_ONLY_MAX_ROWS, False),
+                             ("many", fp8.WEIGHT_ONLY_MAX_ROWS + 1, False), ("reference_only", 3, True)]:
+    x = torch.randn(rows, 48, generator=gen)
+    with mock.patch.object(fp8, "fp8_linear", wraps=fp8.fp8_linear) as spy:
+        if ref_only:
+            with reference_only():
+                y = lin(x[None])
+        else:
+            y = lin(x[None])
+    ref = fp8.fp8_linear_reference(x.double(), lin.weight, lin.weight_scale.double())
+    out["dispatch"][name] = dict(kernel_calls=spy.call_count, shape=list(y.shape),
+                                 rel_err=float((y[0].double() - ref).norm() / ref.norm()))
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", _CASES], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_matches_dequantised_product_at_odd_shapes_and_repeats_bit_for_bit(interpreted):
+    for p in interpreted["products"]:
+        m, n, k, dtype, _, _ = p["case"]
+        assert p["dtype"] == dtype and p["shape"] == [m, n], p
+        assert p["rel_err"] <= (1e-6 if dtype == "float32" else 1e-2), p
+        assert p["same_bits"], p
+    # the split rule splits a long K when the output tiles are few; forced splits ran too
+    assert any(p["case"][5] is None and p["splits_used"] > 1 for p in interpreted["products"])
+    assert any(p["case"][5] == 3 for p in interpreted["products"])
+
+
+def test_fp8_linear_uses_the_kernel_for_few_rows_only(interpreted):
+    d = interpreted["dispatch"]
+    assert d["few"]["kernel_calls"] == 1 and d["limit"]["kernel_calls"] == 1
+    assert d["many"]["kernel_calls"] == 0            # CPU: the dequantised reference (GPU: _scaled_mm)
+    assert d["reference_only"]["kernel_calls"] == 0
+    for case in d.values():
+        assert case["shape"][-1] == 24 and case["rel_err"] <= 1e-6, d
+
+
+def test_refuses_a_weight_not_contiguous_along_k():
+    w8 = torch.zeros(16, 8, dtype=torch.float8_e4m3fn).t()            # (8, 16) with strides (1, 8)
+    with pytest.raises(ValueError, match="contiguous along K"):
+        fp8_linear(torch.zeros(1, 16), w8, torch.ones(8))

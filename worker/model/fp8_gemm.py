@@ -1,0 +1,195 @@
+"""Weight-only fp8 products for few rows: y = x @ (W8 * scale[:, None])^T + bias.
+
+x (..., K) in the activation dtype (bf16 on the GPU), W8 (N, K) e4m3 as `Fp8Linear` stores it,
+scale (N,) fp32 per output channel, y (..., N) in x's dtype. With few rows (decode 1-32, verify
+8 tokens per row, draft, expert) the product is bound by the weight's bytes, so the kernel
+streams W8 once (half the bytes of a bf16 weight), widens it to the activation dtype in
+registers, accumulates in fp32 and applies the channel scale (and bias) in the epilogue.
+
+Two forms, chosen per number of rows by `LAUNCH_CONFIGS`:
+  gemv  one row per program: each program reads a (BLOCK_N, BLOCK_K) slab of W8 per step with
+        16-byte loads along K and sums its products with the row's x into BLOCK_N fp32 sums
+        (no tensor cores: a matrix-vector product has nothing for them to do; summing every step
+        keeps registers low, so more programs, and more loads, are in flight per multiprocessor)
+  dot   a (BLOCK_M, BLOCK_N) tile per program through tensor cores (tl.dot, BLOCK_M >= 16)
+Both split K across programs when the output tiles alone would leave multiprocessors idle
+(`split_count`): each split writes an fp32 partial and a second kernel sums the splits in a
+fixed order (no atomics), so a second launch gives the same bits. Launch shapes depend only on
+(M, N, K) and the device, so a CUDA graph captures them (no host sync; the workspace's size is
+fixed by the captured shapes).
+
+Public designs read first (none copied): gemlite's GEMV / split-K kernels (autotuned, split-K
+summed with atomic adds: not deterministic), vLLM's Triton w8a16 and FBGEMM's fp8 row-wise
+split-K GEMMs.
+
+Elsewhere (no Triton, or inside `fused_ops.reference_only()`) `fp8_linear_reference` is the
+dequantised product. Triton's interpreter (TRITON_INTERPRET=1) runs the kernels on the CPU for
+tests; its tl.dot mishandles bf16 operands (Triton 3.9), so there the dot form widens both to fp32.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:                                   # Triton ships with CUDA builds of torch; CPU installs may lack it
+    import triton
+    import triton.language as tl
+except ImportError:                    # pragma: no cover - exercised only on Triton-less installs
+    triton = None
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_m: int                       # 1 = gemv form (one row per program), else tl.dot tiles (>= 16)
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+# (most rows, config): the first entry whose row count covers M; the last covers any larger M.
+LAUNCH_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
+    (1, LaunchConfig(block_m=1, block_n=32, block_k=256, warps=4, stages=2)),
+    (16, LaunchConfig(block_m=16, block_n=64, block_k=128, warps=4, stages=4)),
+    (32, LaunchConfig(block_m=32, block_n=64, block_k=128, warps=4, stages=4)),
+    (64, LaunchConfig(block_m=64, block_n=64, block_k=128, warps=4, stages=3)),
+    (256, LaunchConfig(block_m=64, block_n=128, block_k=64, warps=8, stages=3)),
+)
+PROGRAMS_PER_SM = 8                    # split K until about this many programs per multiprocessor (the gemv
+                                       # form at 61 registers x 128 threads fits 8)
+MIN_STEPS_PER_SPLIT = 4                # ... while each split still streams this many BLOCK_K steps
+MAX_SPLITS = 16
+REDUCE_BLOCK = 1024                    # output columns per program of the split-sum kernel
+SMS_WITHOUT_CUDA = 132                 # the interpreter's stand-in for a device's multiprocessor count
+# Triton chooses interpreter or compiler when the kernels below are defined (module import)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def launch_config(rows: int) -> LaunchConfig:
+    for most, config in LAUNCH_CONFIGS:
+        if rows <= most:
+            return config
+    return LAUNCH_CONFIGS[-1][1]
+
+
+_sm_counts: dict[int, int] = {}
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return SMS_WITHOUT_CUDA
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sm_counts:
+        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _sm_counts[index]
+
+
+def split_count(rows: int, n: int, k: int, config: LaunchConfig, sms: int) -> int:
+    """How many K splits: enough programs for PROGRAMS_PER_SM per multiprocessor, each split at
+    least MIN_STEPS_PER_SPLIT steps of BLOCK_K, at most MAX_SPLITS, and the fp32 partials
+    (written, then read back: 8 bytes x splits x rows x N) under a quarter of the weight's N x K."""
+    tiles = -(-rows // config.block_m) * -(-n // config.block_n)
+    want = -(-PROGRAMS_PER_SM * sms // tiles)
+    steps = -(-k // config.block_k)
+    return max(1, min(want, steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS, k // (32 * rows)))
+
+
+def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The dequantised product in x's dtype (what the kernels compute, up to summation order)."""
+    w = (weight.to(torch.float32) * scale[:, None].to(torch.float32)).to(x.dtype)
+    return F.linear(x, w, bias)
+
+
+if triton is not None:
+    @triton.jit
+    def _w8_kernel(X, W, SCALE, BIAS, Y, PART, M, N, K, sx_m, sw_n, sy_m, k_per_split,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        k_start = pid_k * k_per_split
+        k_stop = tl.minimum(k_start + k_per_split, K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_start, k_stop, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                x = tl.load(X + offs_m[:, None] * sx_m + offs_k[None, :], mask=m_ok[:, None], other=0.0)
+                w = tl.load(W + offs_n[:, None] * sw_n + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+            else:
+                k_ok = offs_k < K
+                x = tl.load(X + offs_m[:, None] * sx_m + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+                w = tl.load(W + offs_n[:, None] * sw_n + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+            if BLOCK_M == 1:                                    # gemv: x (1, BLOCK_K) against each row of W
+                acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+            elif DOT_FP32:
+                acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
+            else:
+                acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+        mask = m_ok[:, None] & n_ok[None, :]
+        if SPLIT == 1:
+            y = acc * tl.load(SCALE + offs_n, mask=n_ok, other=0.0)[None, :]
+            if HAS_BIAS:
+                y += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(Y + offs_m[:, None] * sy_m + offs_n[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        else:
+            tl.store(PART + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+
+    @triton.jit
+    def _sum_splits_kernel(PART, SCALE, BIAS, Y, M, N, sy_m, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < N
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):                        # fixed order: the same bits every launch
+            acc += tl.load(PART + (s * M + row) * N + cols, mask=ok, other=0.0)
+        y = acc * tl.load(SCALE + cols, mask=ok, other=0.0)
+        if HAS_BIAS:
+            y += tl.load(BIAS + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(Y + row * sy_m + cols, y.to(Y.dtype.element_ty), mask=ok)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None, config: LaunchConfig | None = None,
+               splits: int | None = None) -> torch.Tensor:
+    """x (..., K), weight (N, K) e4m3, scale (N,) fp32, bias (N,) or None -> (..., N) in x's dtype
+    (written into `out`, contiguous (..., N), when given). `config` / `splits` override the table
+    and the split rule (the GPU sweep compares them)."""
+    n, k = weight.shape
+    if weight.stride(1) != 1:
+        raise ValueError(f"fp8_linear: weight must be contiguous along K (strides {tuple(weight.stride())})")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    config = config or launch_config(rows)
+    if splits is None:
+        splits = split_count(rows, n, k, config, _multiprocessors(x.device))
+    steps = -(-k // config.block_k)
+    k_per_split = -(-steps // splits) * config.block_k
+    splits = -(-k // k_per_split)                   # no empty split
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device) if out is None else out.view(rows, n)
+    part = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device) if splits > 1 else y
+    b = bias if bias is not None else scale
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(rows, config.block_m), splits)
+    _w8_kernel[grid](x2, weight, scale, b, y, part, rows, n, k, x2.stride(0), weight.stride(0), y.stride(0),
+                     k_per_split, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                     SPLIT=splits, EVEN_K=k % config.block_k == 0, HAS_BIAS=bias is not None,
+                     DOT_FP32=_INTERPRETED, num_warps=config.warps, num_stages=config.stages)
+    if splits > 1:
+        _sum_splits_kernel[(rows, triton.cdiv(n, REDUCE_BLOCK))](
+            part, scale, b, y, rows, n, y.stride(0), SPLIT=splits, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK,
+            num_warps=4)
+    return y.view(*x.shape[:-1], n)
