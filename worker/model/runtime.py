@@ -34,6 +34,8 @@ from worker.model.tokenizer import generation_stop_ids, load_tokenizer
 from worker.model.trajectory_tokens import future_tokenizer_from_config, history_tokenizer_from_config
 
 TRAJECTORY_MAX_NEW = 256
+CALIBRATION_CONTEXT = 4400     # live positions per row when step costs are measured (a 24-image prompt)
+CPU_CALIBRATION_CONTEXT = 256  # the same on the CPU reference path (the tests' small scenes)
 DEFAULT_MAX_NEW = {"trajectory": TRAJECTORY_MAX_NEW, "meta_action": 512, "auto_labeling": 1024,
                    "vqa": 1024, "grounding": 1024}
 
@@ -330,7 +332,7 @@ class AlpamayoRuntime:
             batch = start_batch(cache, rep(plens), first_logits, rep([p.rope_delta for p in ok]), params, banned,
                                 torch.tensor(terminal, device=dev), rep(max_new, 1), real_rows=real)
             if speculate:
-                batch, spec_rows = self.speculator.decode(self.decoder, batch)
+                batch, spec_rows = self.speculator.decode(self.decoder, batch, group=(task, k))
             else:
                 batch = baseline_decode(self.decoder, batch)
         trajectories = rotations = None
@@ -389,8 +391,27 @@ class AlpamayoRuntime:
         self.decoder.persistent = None
 
     # ------------------------------------------------------------------ warm-up
+    def calibrate_speculation(self, rows_buckets: list[int] | None = None) -> None:
+        """Measure the speculator's step costs per rows bucket (its policy drafts only where that
+        pays): over the persistent cache at every graph bucket up to max_rows when graphs are on
+        (capturing the graphs later batches replay), else over a scratch cache."""
+        if self.speculator is None:
+            return
+        block = self.speculator.block_size
+        if self.max_rows:
+            buckets = rows_buckets or sorted({bucket(1 << i, self.max_rows) for i in range(self.max_rows.bit_length())})
+            cache, _ = self._cache_for(1, 1)
+        else:
+            buckets = rows_buckets or [1, 2, 4, 8]
+            cache = self.decoder.new_cache(max(buckets), CPU_CALIBRATION_CONTEXT + block, self.dtype, self.device)
+        persistent = cache is self.decoder.persistent
+        self.speculator.begin(cache.rows, cache.capacity, persistent=persistent, graphs=self.graphs)
+        context = min(CALIBRATION_CONTEXT, cache.capacity - block)
+        self.speculator.calibrate(self.decoder, cache, buckets, context, self._banned_traj)
+
     def warmup(self, k_values: list[int], image_size: tuple[int, int] = (64, 64)) -> None:
-        """Run one synthetic trajectory scene per K (untimed), so the first real request is not slower."""
+        """Run one synthetic trajectory scene per K (untimed), so the first real request is not
+        slower; on CUDA also measure the speculator's step costs (`calibrate_speculation`)."""
         rng = np.random.default_rng(0)
         n = 6 * 4
         for k in k_values:
@@ -403,6 +424,8 @@ class AlpamayoRuntime:
                 ego_history_rot=np.tile(np.eye(3, dtype=np.float32), (16, 1, 1)),
                 num_samples=k, temperature=0.6 if k > 1 else 0.0, seed=0)
             self.run([req])
+        if self.device.type == "cuda":
+            self.calibrate_speculation()
 
     @property
     def identity(self) -> dict[str, Any]:
