@@ -2,14 +2,19 @@
 drafts where acceptance pays and takes the baseline's decode step where it does not; outputs equal
 the baseline's either way."""
 
+import msgspec
 import pytest
 import torch
 
+import schemas as S
+
 from worker.dflash.loop import DFlash2Speculator
-from worker.dflash.metrics import speculative_block
+from worker.dflash.metrics import SpecStats, speculative_block
 from worker.dflash.policy import SpeculationPolicy, StepCosts
+from worker.metrics import WorkerMetrics
 from worker.model.runtime import AlpamayoRuntime
 
+from tests.schemas.test_contract import result
 from tests.worker.dflash.test_speculative_decoding import oracle_run
 from tests.worker.model.test_runtime import scene
 
@@ -79,3 +84,16 @@ def test_choice_weighs_expected_tokens_against_step_costs():
     assert p.choose(costs, 4, [4 * 3.5, 4 * 4.0]) == 3        # 3.5/1.3 beats 4.0/1.5
     assert p.choose(costs, 4, [4 * 3.9, 4 * 7.5]) == 7
     assert p.choose(None, 4, [0.0, 0.0]) == 7                 # uncalibrated: always draft (old behaviour)
+
+
+def test_baseline_steps_reach_the_result_block_and_prometheus():
+    block = speculative_block(SpecStats(7, [7, 2, 0], [7, 7, 3], baseline_steps=5))
+    assert (block["num_spec_steps"], block["num_baseline_steps"]) == (3, 5)
+    assert block["speculated_step_fraction"] == 3 / 8 and block["mean_verify_tokens"] == 1 + 17 / 3
+    spec = S.SpeculativeDecoding(**block)
+    m = WorkerMetrics(spec_counters=True)
+    m.observe_result(msgspec.structs.replace(result(), metrics=msgspec.structs.replace(
+        result().metrics, speculative_decoding=spec)))
+    text = m.render().decode()
+    assert 'alpamayo_spec_decode_baseline_steps_total{method="dflash2"} 5.0' in text
+    assert 'alpamayo_spec_decode_verify_steps_total{method="dflash2"} 3.0' in text
