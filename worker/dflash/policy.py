@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 VERIFY_TOKENS = (4, 8)        # tokens fed per verify step: the anchor token + 3 or 7 drafts
-PRIOR_ACCEPTANCE = 0.5        # a group's acceptance before any batch measured it (one trial's weight)
+PRIOR_ACCEPTANCE = 0.8        # a group's acceptance before any batch measured it (one trial's weight):
+                              # optimistic (mean acceptance length ~4), so new groups draft and learn
 ROW_PRIOR_WEIGHT = 2.0        # the group's acceptance counts as this many draft trials in a row's estimate
 ROW_DECAY = 0.97              # per step, of a row's evidence
 GROUP_DECAY = 0.5             # per batch, of a group's evidence
