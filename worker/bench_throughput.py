@@ -244,7 +244,8 @@ def main(args) -> int:
     """`python -m worker.bench --throughput ...` (worker/bench.py parses the arguments)."""
     gpu = torch.cuda.is_available()
     batches = [int(x) for x in (args.batches or ("1,16" if args.quick else "1,8,16,32" if gpu else "1,2")).split(",")]
-    k3 = [int(x) for x in args.k3_batches.split(",")] if args.k3_batches else ([1] if args.quick else None)
+    k3 = [int(x) for x in args.k3_batches.split(",") if x] if args.k3_batches is not None else \
+        ([1] if args.quick else None)
     t = Table()
     t.add("setup", "device", torch.cuda.get_device_name(0) if gpu else "cpu")
     targets = throughput(t, args.shape, batches, k3, args.profiles.split(","), args.reps, args.new_tokens)
