@@ -514,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--throughput", action="store_true",
                     help="whole scenes through AlpamayoRuntime, baseline vs dflash2 (oracle tau=4), bf16 and fp8 "
                          "(worker/bench_throughput.py; --batches default 1,8,16,32)")
-    ap.add_argument("--k3-batches", default=None, help="--throughput: batches also run at K=3 (default: --batches; '' for none)")
+    ap.add_argument("--k3-batches", default=None, help="--throughput: batches also run at K=3 (default 1,8 on GPU, 1 on CPU; '' for none)")
     ap.add_argument("--profiles", default="bf16,fp8", help="--throughput: precision profiles, in order")
     ap.add_argument("--reps", type=int, default=1, help="--throughput: timed runs per batch (median)")
     ap.add_argument("--quick", action="store_true", help="--throughput: batches 1,16; K=3 at batch 1 only")

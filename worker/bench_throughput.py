@@ -8,8 +8,9 @@ precision profile (bf16, then the same weights quantised to fp8) and per batch s
             batch, errors injected), under the adaptive policy calibrated at warm-up
 Prints scenes/s per GPU with the per-stage split (image prep, prefill, reasoning, diffusion), the
 dflash2 / baseline speed ratio at each batch and the `Targets: throughput` table of issue 17.
-Each measured batch is preceded by an untimed one of small-image scenes at the same batch and K
+Each measured batch is preceded by an untimed one of one-image scenes at the same batch and K
 (CUDA graphs captured, the policy's acceptance learnt), so only steady-state work is timed.
+Budget on an H200 (32B shape, defaults): about 1 min to build the model, then ~3 min per profile.
 """
 
 from __future__ import annotations
@@ -55,15 +56,18 @@ class Measured:
                 f"diffusion {self.diffusion_ms:.0f} ms")
 
 
-def scenes(n: int, k: int, image_hw: tuple[int, int], tag: str) -> list[SceneRequest]:
-    """n trajectory scenes of 24 frames; two distinct frame sets alternate (host memory)."""
+def scenes(n: int, k: int, image_hw: tuple[int, int], tag: str, cameras: tuple[int, ...] = CAMERAS,
+           num_frames: int = 4) -> list[SceneRequest]:
+    """n trajectory scenes of len(cameras) x num_frames frames; two distinct frame sets alternate
+    (host memory)."""
     rng = np.random.default_rng(len(tag))
-    frame_sets = [rng.integers(0, 255, (24, *image_hw, 3), dtype=np.uint8) for _ in range(min(n, 2))]
+    frame_sets = [rng.integers(0, 255, (len(cameras) * num_frames, *image_hw, 3), dtype=np.uint8)
+                  for _ in range(min(n, 2))]
     xyz = np.zeros((16, 3), np.float32)
     xyz[:, 0] = np.linspace(-15, 0, 16)
     rot = np.tile(np.eye(3, dtype=np.float32), (16, 1, 1))
     return [SceneRequest(request_id=f"{tag}-{i}", task="trajectory", frames=frame_sets[i % len(frame_sets)],
-                         camera_ids=CAMERAS, ego_history_xyz=xyz, ego_history_rot=rot, num_samples=k,
+                         camera_ids=cameras, num_frames=num_frames, ego_history_xyz=xyz, ego_history_rot=rot, num_samples=k,
                          temperature=0.6 if k > 1 else 0.0, seed=i) for i in range(n)]
 
 
@@ -112,9 +116,10 @@ def with_oracle(spec: DFlash2Speculator, ref: torch.Tensor):
 
 
 def measure_batch(t: Table, rt, spec: DFlash2Speculator, profile: str, b: int, k: int, image_hw, reps: int) -> dict:
-    """Baseline then dflash2 on the same b scenes at K=k; each after an untimed small-image batch."""
+    """Baseline then dflash2 on the same b scenes at K=k; each after an untimed batch of one-image
+    scenes (short prompts: cheap) at the same rows bucket."""
     out = {}
-    small = scenes(b, k, (64, 64), f"warm-{profile}-{b}-{k}")
+    small = scenes(b, k, (64, 64), f"warm-{profile}-{b}-{k}", cameras=CAMERAS[:1], num_frames=1)
     reqs = scenes(b, k, image_hw, f"{profile}-{b}-{k}")
     rt.speculator = None
     warm_ref = reference(rt.run(small))
@@ -189,7 +194,7 @@ def throughput_targets(res: dict, batches: list[int]) -> str:
     return "\n".join(head + rows)
 
 
-def throughput(t: Table, shape: str, batches: list[int], k3_batches: list[int] | None, profiles: list[str],
+def throughput(t: Table, shape: str, batches: list[int], k3: list[int], profiles: list[str],
                reps: int, reasoning: int | None = None) -> str:
     """Run the benchmark; -> the Markdown targets table (rows are printed through `t` as measured)."""
     gpu = torch.cuda.is_available()
@@ -207,7 +212,6 @@ def throughput(t: Table, shape: str, batches: list[int], k3_batches: list[int] |
     rt.speculator = spec
     prompt = len(rt._prepare(scenes(1, 1, image_hw, "len")[0]).input_ids)
     capacity = -(-(prompt + reasoning + 2 * rt.expert.num_waypoints) // 256) * 256
-    k3 = batches if k3_batches is None else k3_batches
     rows_wanted = max([*batches, *[3 * b for b in k3]])
     max_rows = plan_rows(rt, capacity, rows_wanted)
     t.add("thru", f"{shape}: prompt / capacity / cache rows", f"{prompt} tokens / {capacity} columns / {max_rows} rows")
@@ -244,8 +248,8 @@ def main(args) -> int:
     """`python -m worker.bench --throughput ...` (worker/bench.py parses the arguments)."""
     gpu = torch.cuda.is_available()
     batches = [int(x) for x in (args.batches or ("1,16" if args.quick else "1,8,16,32" if gpu else "1,2")).split(",")]
-    k3 = [int(x) for x in args.k3_batches.split(",") if x] if args.k3_batches is not None else \
-        ([1] if args.quick else None)
+    k3 = [int(x) for x in (args.k3_batches if args.k3_batches is not None else
+                           "1" if args.quick or not gpu else "1,8").split(",") if x]
     t = Table()
     t.add("setup", "device", torch.cuda.get_device_name(0) if gpu else "cpu")
     targets = throughput(t, args.shape, batches, k3, args.profiles.split(","), args.reps, args.new_tokens)
