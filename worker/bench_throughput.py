@@ -8,7 +8,7 @@ precision profile (bf16, then the same weights quantised to fp8) and per batch s
             batch, errors injected), under the adaptive policy calibrated at warm-up
 Prints scenes/s per GPU with the per-stage split (image prep, prefill, reasoning, diffusion), the
 dflash2 / baseline speed ratio at each batch and the `Targets: throughput` table of issue 17.
-Each measured batch is preceded by an untimed one of one-image scenes at the same batch and K
+Each measured batch is preceded by untimed ones of one-image scenes at the same batch and K
 (CUDA graphs captured, the policy's acceptance learnt), so only steady-state work is timed.
 Budget on an H200 (32B shape, defaults): about 1 min to build the model, then ~3 min per profile.
 """
@@ -33,6 +33,7 @@ from worker.model.runtime import SceneRequest
 
 TAU = 4.0
 CAMERAS = (0, 1, 2, 3, 5, 6)
+WARMUP_REASONING = 16          # reasoning tokens of the untimed warm-up batches
 GPU_MEMORY_FRACTION = 0.93      # of the H200 for weights + persistent cache (the bench's own plan)
 
 
@@ -116,17 +117,24 @@ def with_oracle(spec: DFlash2Speculator, ref: torch.Tensor):
 
 
 def measure_batch(t: Table, rt, spec: DFlash2Speculator, profile: str, b: int, k: int, image_hw, reps: int) -> dict:
-    """Baseline then dflash2 on the same b scenes at K=k; each after an untimed batch of one-image
-    scenes (short prompts: cheap) at the same rows bucket."""
+    """Baseline then dflash2 on the same b scenes at K=k, after an untimed batch of one-image scenes
+    (short prompts, WARMUP_REASONING tokens: cheap) per mode at the same rows bucket."""
     out = {}
     small = scenes(b, k, (64, 64), f"warm-{profile}-{b}-{k}", cameras=CAMERAS[:1], num_frames=1)
     reqs = scenes(b, k, image_hw, f"{profile}-{b}-{k}")
+    full = rt.trajectory_max_new
+    rt.trajectory_max_new = min(full, WARMUP_REASONING)
+    try:
+        rt.speculator = None
+        warm_ref = reference(rt.run(small))
+        rt.speculator = spec
+        with with_oracle(spec, warm_ref):
+            rt.run(small)
+    finally:
+        rt.trajectory_max_new = full
     rt.speculator = None
-    warm_ref = reference(rt.run(small))
     out["baseline"], base_res = timed_run(rt, reqs, reps)
     rt.speculator = spec
-    with with_oracle(spec, warm_ref):
-        rt.run(small)
     with with_oracle(spec, reference(base_res)):
         out["dflash2"], spec_res = timed_run(rt, reqs, reps)
     same = sum(a.token_ids == c.token_ids for a, c in zip(base_res, spec_res))
