@@ -248,7 +248,12 @@ def throughput(t: Table, shape: str, batches: list[int], k3: list[int], profiles
                 if b * k > max_rows:
                     t.add("thru", f"{profile} batch {b} K={k}", f"skipped: {b * k} rows > {max_rows} cache rows")
                     continue
-                res[(profile, b, k)] = measure_batch(t, rt, spec, profile, b, k, image_hw, reps)
+                try:
+                    res[(profile, b, k)] = measure_batch(t, rt, spec, profile, b, k, image_hw, reps)
+                except RuntimeError as e:          # a failed batch (e.g. out of memory): report, go on
+                    t.add("thru", f"{profile} batch {b} K={k}", f"failed: {str(e)[:200]}")
+                    if gpu:
+                        torch.cuda.empty_cache()
     return throughput_targets(res, batches)
 
 
