@@ -7,7 +7,9 @@ precision profile (bf16, then the same weights quantised to fp8) and per batch s
             the oracle at tau = 4 (worker/dflash/oracle.py: the baseline's own tokens of this
             batch, errors injected), under the adaptive policy calibrated at warm-up
 Prints scenes/s per GPU with the per-stage split (image prep, prefill, reasoning, diffusion), the
-dflash2 / baseline speed ratio at each batch and the `Targets: throughput` table of issue 17.
+dflash2 / baseline speed ratio at each batch and the `Targets: throughput` table of issue 17; with
+`--demo CKPT --head HEAD` also dflash2 against the baseline on the demo checkpoint (batch 16, K=1
+and K=3, its real head: `demo_speed`).
 Each measured batch is preceded by untimed ones of one-image scenes at the same batch and K
 (CUDA graphs captured, the policy's acceptance learnt), so only steady-state work is timed.
 Budget on an H200 (32B shape, defaults): about 1 min to build the model, then ~3 min per profile.
@@ -257,6 +259,33 @@ def throughput(t: Table, shape: str, batches: list[int], k3: list[int], profiles
     return throughput_targets(res, batches)
 
 
+def demo_speed(t: Table, checkpoint: str, head: str, n: int = 16) -> list[str]:
+    """The demo checkpoint with its real head (held-out scenes, batch n): dflash2 under the
+    calibrated policy against the baseline, K=1 greedy and K=3 at T=0.6 -> target rows."""
+    from worker.dflash.train import demo_requests
+    from worker.model.runtime import AlpamayoRuntime
+
+    base = AlpamayoRuntime.load(checkpoint)
+    spec = AlpamayoRuntime.load(checkpoint, speculator_factory=DFlash2Speculator.factory(head))
+    for rt in (base, spec):
+        rt.enable_graphs(max_rows=3 * n, capacity=1024)
+    spec.calibrate_speculation()
+    rows = []
+    for k, temperature in ((1, 0.0), (3, 0.6)):
+        reqs = demo_requests(range(92_000_000, 92_000_000 + n), k=k, temperature=temperature)
+        for rt in (base, spec):
+            rt.run(reqs)                    # untimed: graphs captured, the policy's acceptance learnt
+        (mb, rb), (ms, rs) = timed_run(base, reqs, 2), timed_run(spec, reqs, 2)
+        same = sum(a.token_ids == b.token_ids for a, b in zip(rb, rs))
+        ratio = mb.wall_s / ms.wall_s
+        text = (f"{ratio:.2f}x ({ms.spec['speculated_step_fraction']:.0%} of steps speculated, mean acceptance "
+                f"length {ms.spec['mean_acceptance_length']:.2f}); outputs identical in {same}/{n}")
+        t.add("demo", f"demo checkpoint, batch {n}, K={k}: dflash2 / baseline speed", text)
+        rows.append(f"| dflash2 never slower than the baseline on the demo checkpoint, batch {n}, K={k}: >= 1.0x, "
+                    f"outputs identical | {text} | {'met' if ratio >= 1.0 and same == n else 'missed'} |")
+    return rows
+
+
 def main(args) -> int:
     """`python -m worker.bench --throughput ...` (worker/bench.py parses the arguments)."""
     gpu = torch.cuda.is_available()
@@ -266,6 +295,10 @@ def main(args) -> int:
     t = Table()
     t.add("setup", "device", torch.cuda.get_device_name(0) if gpu else "cpu")
     targets = throughput(t, args.shape, batches, k3, args.profiles.split(","), args.reps, args.new_tokens)
+    if args.demo and args.head:
+        if gpu:
+            torch.cuda.empty_cache()
+        targets += "\n" + "\n".join(demo_speed(t, args.demo, args.head))
     md = t.markdown() + "\n\n" + targets
     if args.out:
         Path(args.out).write_text(md + "\n")
