@@ -116,7 +116,7 @@ class _Prepared:
     grid: torch.Tensor
     hist_xyz: torch.Tensor | None
     hist_rot: torch.Tensor | None
-    image_prep_ms: float                          # host work (prompt, frames staging) + the device part
+    image_prep_ms: float                          # host work: prompt, frames staging (`_stage`)
     staged: Future                                # -> (staged frames or CPU pixel values, host ms): `_stage`
     pixel_values: torch.Tensor | None = None      # set by AlpamayoRuntime._pixel_values
 
@@ -256,12 +256,11 @@ class AlpamayoRuntime:
     def _pixel_values(self, p: _Prepared) -> torch.Tensor:
         """The scene's pixel values on the device (CUDA: copy and preprocess there, no sync)."""
         if p.pixel_values is None:
-            t0 = time.perf_counter()
             x, host_ms = p.staged.result()
             if self.device.type == "cuda":
                 x = self.image_proc(x.to(self.device, non_blocking=True))[0].to(self.dtype)
             p.pixel_values = x
-            p.image_prep_ms += host_ms + (time.perf_counter() - t0) * 1000.0
+            p.image_prep_ms += host_ms
         return p.pixel_values
 
     @torch.inference_mode()
@@ -373,6 +372,7 @@ class AlpamayoRuntime:
         marks.mark()
         spans = marks.intervals_ms()                  # per scene: device image prep, prefill
         prefill_ms = spans[1::2]
+        device_prep_ms = spans[0::2] if dev.type == "cuda" else [0.0] * len(ok)     # CPU: staging is host work
         pad = rows - real
 
         def rep(xs, fill=0, dtype=torch.long):      # per scene -> per row (K each), padded rows last
@@ -432,7 +432,7 @@ class AlpamayoRuntime:
                 res.rotations = rotations[s * k:(s + 1) * k]
             if speculate:
                 res.speculative = self.speculator.merge_stats(spec_rows[s * k:(s + 1) * k])
-            res.timings_ms = {"image_prep": p.image_prep_ms + spans[2 * s], "prefill": prefill_ms[s],
+            res.timings_ms = {"image_prep": p.image_prep_ms + device_prep_ms[s], "prefill": prefill_ms[s],
                               "decode": c_decode.ms, "diffusion": diffusion_ms}
 
     def _cache_for(self, real_rows: int, need: int):
