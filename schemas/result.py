@@ -64,6 +64,17 @@ class SpeculativeDecoding(msgspec.Struct, kw_only=True, frozen=True, omit_defaul
         list[_NonNegInt] | None,
         Meta(description="detailed only: drafted tokens per step, samples concatenated in order."),
     ] = None
+    num_baseline_steps: Annotated[
+        int, Meta(ge=0, description="Decode steps without drafts (the adaptive policy chose the baseline's "
+                                    "step), summed over samples.")
+    ] = 0
+    speculated_step_fraction: Annotated[
+        float | None, Meta(description="num_spec_steps / (num_spec_steps + num_baseline_steps).")
+    ] = None
+    mean_verify_tokens: Annotated[
+        float | None, Meta(description="Tokens fed per verify step: 1 + num_draft_tokens / num_spec_steps "
+                                       "(8 when every step verified 7 drafts).")
+    ] = None
 
 
 class StageTimings(msgspec.Struct, kw_only=True, frozen=True):

@@ -511,9 +511,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write the Markdown table here")
     ap.add_argument("--expert-only", action="store_true",
                     help="only the expert loop (8 rows)")
+    ap.add_argument("--throughput", action="store_true",
+                    help="whole scenes through AlpamayoRuntime, baseline vs dflash2 (oracle tau=4), bf16 and fp8 "
+                         "(worker/bench_throughput.py; --batches default 1,8,16,32)")
+    ap.add_argument("--k3-batches", default=None, help="--throughput: batches also run at K=3 (default 1,8 on GPU, 1 on CPU; '' for none)")
+    ap.add_argument("--profiles", default="bf16,fp8", help="--throughput: precision profiles, in order")
+    ap.add_argument("--reps", type=int, default=1, help="--throughput: timed runs per batch (median)")
+    ap.add_argument("--quick", action="store_true", help="--throughput: batches 1,16; K=3 at batch 1 only")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="only profile the decode/verify/draft/expert kernels; write DIR/profile.txt")
     args = ap.parse_args(argv)
+    if args.throughput:
+        from worker import bench_throughput     # it imports this module's helpers
+
+        return bench_throughput.main(args)
     gpu = torch.cuda.is_available()
     dev = torch.device("cuda" if gpu else "cpu")
     dtype = torch.bfloat16 if gpu else torch.float32

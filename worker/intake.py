@@ -24,8 +24,10 @@ Blocking (file I/O, image decode): the service runs :meth:`Intake.process` on a 
 
 from __future__ import annotations
 
+import os
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -58,6 +60,8 @@ MAX_IMAGE_PIXELS = 4096 * 4096
 MAX_REQUEST_PIXELS = 24 * 3840 * 2160
 """Largest total pixel count of one request's images (24 frames of 4K)."""
 MAX_ATTEMPT = 1_000_000
+DECODE_THREADS = min(16, os.cpu_count() or 1)
+"""Images of one request decoded at once (PIL and numpy release the GIL while they work)."""
 """Largest ``attempt`` header value taken (a larger or malformed one is ignored)."""
 _COORDS = re.compile(r"[A-Za-z0-9._-]{1,249}:[0-9]{1,10}:[0-9]{1,19}")
 """``topic:partition:offset`` (Kafka's topic name characters and length)."""
@@ -183,6 +187,7 @@ class Intake:
         self.max_image_pixels = max_image_pixels
         self.max_request_pixels = max_request_pixels
         self.worker_id = settings.worker_id
+        self._decode_pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="image-decode")
 
     # ------------------------------------------------------------------ entry point
     def process(self, record: Record, received_at: float | None = None) -> Job | DeadLetter:
@@ -233,8 +238,6 @@ class Intake:
 
     # ------------------------------------------------------------------ images
     def _images(self, req: InferRequest) -> list[np.ndarray]:
-        from worker.model.inputs import decode_image
-
         blobs: list[bytes] = []
         for i, img in enumerate(req.images):
             if isinstance(img, ImageRef):
@@ -251,18 +254,21 @@ class Intake:
         if total > self.max_request_pixels:
             raise ContractError(ErrorCode.OVERSIZE, "$.images",
                                 f"images hold {total} pixels in all, limit {self.max_request_pixels}")
-        frames = []
-        for i, blob in enumerate(blobs):
-            try:
-                arr = decode_image(blob, max_pixels=self.max_image_pixels, max_bytes=len(blob) + 1)
-            except ValueError as exc:
-                raise ContractError(ErrorCode.BAD_IMAGE, f"$.images[{i}]", str(exc)) from None
-            if (arr.shape[1], arr.shape[0]) != sizes[i]:
-                raise ContractError(ErrorCode.BAD_IMAGE, f"$.images[{i}]",
-                                    f"decoded to {arr.shape[1]}x{arr.shape[0]}, header says "
-                                    f"{sizes[i][0]}x{sizes[i][1]}")
-            frames.append(self.shrink_frame(arr) if self.shrink_frame is not None else arr)
-        return frames
+        # decoded in parallel; the first failing image in request order is the one reported
+        return list(self._decode_pool.map(lambda i: self._frame(i, blobs[i], sizes[i]), range(len(blobs))))
+
+    def _frame(self, i: int, blob: bytes, size: tuple[int, int]) -> np.ndarray:
+        """Image i: decoded, checked against its header's size, shrunk when the engine asks."""
+        from worker.model.inputs import decode_image
+
+        try:
+            arr = decode_image(blob, max_pixels=self.max_image_pixels, max_bytes=len(blob) + 1)
+        except ValueError as exc:
+            raise ContractError(ErrorCode.BAD_IMAGE, f"$.images[{i}]", str(exc)) from None
+        if (arr.shape[1], arr.shape[0]) != size:
+            raise ContractError(ErrorCode.BAD_IMAGE, f"$.images[{i}]",
+                                f"decoded to {arr.shape[1]}x{arr.shape[0]}, header says {size[0]}x{size[1]}")
+        return self.shrink_frame(arr) if self.shrink_frame is not None else arr
 
     # ------------------------------------------------------------------ the runtime's request
     def _scene(self, req: InferRequest, frames: list[np.ndarray]):

@@ -1,7 +1,7 @@
 """Prometheus metrics of the worker (names and labels: docs/architecture.md, fixed).
 
 Each :class:`WorkerMetrics` owns its own ``CollectorRegistry`` (several workers in one test
-process never collide). The three ``alpamayo_spec_decode_*`` counters exist only on dflash2
+process never collide). The four ``alpamayo_spec_decode_*`` counters exist only on dflash2
 profiles with spec metrics ``summary``/``detailed``; their ``method="dflash2"`` series is created
 at construction, so it is exported at 0 before the first request. They grow only from trajectory
 results' speculative statistics.
@@ -29,7 +29,7 @@ class WorkerMetrics:
     def __init__(self, spec_counters: bool):
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.spec_enabled = bool(spec_counters)
-        self.spec_draft = self.spec_accepted = self.spec_steps = None
+        self.spec_draft = self.spec_accepted = self.spec_steps = self.spec_baseline_steps = None
         if self.spec_enabled:
             self.spec_draft = Counter("alpamayo_spec_decode_draft_tokens_total",
                                       "DFlash2 draft tokens proposed (trajectory requests)", ["method"], registry=r)
@@ -37,7 +37,11 @@ class WorkerMetrics:
                                          "DFlash2 draft tokens accepted (trajectory requests)", ["method"], registry=r)
             self.spec_steps = Counter("alpamayo_spec_decode_verify_steps_total",
                                       "DFlash2 verify steps (trajectory requests)", ["method"], registry=r)
-            for c in (self.spec_draft, self.spec_accepted, self.spec_steps):
+            self.spec_baseline_steps = Counter(
+                "alpamayo_spec_decode_baseline_steps_total",
+                "Decode steps without drafts: the adaptive policy judged drafting not worth it (trajectory requests)",
+                ["method"], registry=r)
+            for c in (self.spec_draft, self.spec_accepted, self.spec_steps, self.spec_baseline_steps):
                 c.labels(method=SPEC_METHOD)          # exported at 0 right away
         self.requests = Counter("alpamayo_requests_total", "Valid requests taken into batches", ["task"], registry=r)
         self.results = Counter("alpamayo_results_total", "Results published (acknowledged)", ["task"], registry=r)
@@ -87,6 +91,7 @@ class WorkerMetrics:
             self.spec_draft.labels(method=SPEC_METHOD).inc(spec.num_draft_tokens)
             self.spec_accepted.labels(method=SPEC_METHOD).inc(spec.num_accepted_draft_tokens)
             self.spec_steps.labels(method=SPEC_METHOD).inc(spec.num_spec_steps)
+            self.spec_baseline_steps.labels(method=SPEC_METHOD).inc(spec.num_baseline_steps)
 
     def observe_dead_letter(self, code: str) -> None:
         self.dead_letters.labels(code=str(code)).inc()

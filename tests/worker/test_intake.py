@@ -5,6 +5,7 @@ import dataclasses
 import hashlib
 import io
 import os
+import threading
 
 import msgspec
 import numpy as np
@@ -157,6 +158,24 @@ def test_corrupt_image_body_is_caught_at_pixel_decode(intake):
     good = images[3]
     images[3] = good[:40] + b"\x00" * (len(good) - 40)       # header intact, IDAT garbage
     dead(intake, encode(req_dict(images=images)), "bad_image", "$.images[3]")
+
+
+def test_images_decode_on_the_pool_and_the_first_bad_one_in_order_is_reported(intake, monkeypatch):
+    import worker.model.inputs as inputs
+
+    threads, decode = set(), inputs.decode_image
+
+    def recording(*a, **kw):
+        threads.add(threading.current_thread().name)
+        return decode(*a, **kw)
+    monkeypatch.setattr(inputs, "decode_image", recording)
+    job = run(intake, encode(req_dict()))
+    assert isinstance(job, Job) and [int(f[0, 0, 0]) for f in job.scene.frames] == list(range(24))
+    assert threads and all(t.startswith("image-decode") for t in threads), threads
+    images = [png(value=i) for i in range(24)]
+    for i in (20, 4):                                          # both corrupt: the earlier one is named
+        images[i] = images[i][:40] + b"\x00" * (len(images[i]) - 40)
+    dead(intake, encode(req_dict(images=images)), "bad_image", "$.images[4]")
 
 
 def test_too_many_pixels_is_oversize_before_decoding(roots):

@@ -8,6 +8,9 @@
      truncated at a terminal token or max_new exactly as the baseline would stop (worker/dflash/accept.py)
   4. commit:  DecodeBatch.commit, the baseline's own commit: record the tokens and roll back by
      setting each row's length (ragged across the batch)
+Per step the policy (worker/dflash/policy.py) picks 7 drafts, 3 drafts (verify over 4 tokens) or
+none: a plain decode step, the baseline's own, when drafting is expected to commit fewer tokens
+per second (low acceptance, large batches).
 Greedy rows take argmax at each position, so acceptance is exact match; sampled rows accept
 the proposal exactly when the target's own sample equals it. Either way every committed token is
 the token the baseline would have produced at that position.
@@ -15,16 +18,19 @@ the token the baseline would have produced at that position.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from worker.dflash.accept import accepted_prefix, commit_counts
 from worker.dflash.draft import DraftModel
 from worker.dflash.head import HeadConfig, check_head
 from worker.dflash.metrics import RowStats, SpecStats, row_stats
+from worker.dflash.policy import VERIFY_TOKENS, SpeculationPolicy, StepCosts
 from worker.dflash.proposer import Proposer
 from worker.model.decoder import TextDecoder
-from worker.model.generate import DecodeBatch
-from worker.model.sampling import sample
+from worker.model.generate import DecodeBatch, start_batch
+from worker.model.sampling import SamplingParams, sample
 
 
 class DFlash2Speculator:
@@ -40,6 +46,7 @@ class DFlash2Speculator:
         self.num_spec_tokens = self.config.num_spec_tokens
         self.head_path = head_path
         self.dtype = next(base_model.parameters()).dtype
+        self.policy = SpeculationPolicy()
 
     @classmethod
     def factory(cls, head_path: str):
@@ -66,21 +73,100 @@ class DFlash2Speculator:
 
     # ---------------------------------------------------------------- the loop
     @torch.inference_mode()
-    def decode(self, decoder: TextDecoder, batch: DecodeBatch) -> tuple[DecodeBatch, list[RowStats]]:
-        n_spec = self.num_spec_tokens
-        offsets = torch.arange(1, n_spec + 2, device=batch.lengths.device)     # sampled positions after lengths
-        generating_log, accepted_log = [], []
-        while not bool(batch.done.all()):
+    def decode(self, decoder: TextDecoder, batch: DecodeBatch, group: object = None
+               ) -> tuple[DecodeBatch, list[RowStats]]:
+        """Decode every row to done; each step verifies 3 or 7 drafts or is a plain decode step,
+        as the policy (worker/dflash/policy.py) chooses from the rows' acceptance so far and the
+        step costs of `calibrate`. group: the batch's (task, K), whose acceptance the policy keeps."""
+        policy = self.policy
+        costs = policy.costs_for(batch.rows)
+        acceptance = policy.start(group, batch.rows, batch.lengths.device)
+        generating_log, accepted_log, drafted_log = [], [], []
+        while True:
             generating = batch.generating
-            proposals = self.proposer.propose(batch)                                        # (B, 7)
-            block = torch.cat([batch.next_token[:, None], proposals], dim=1)               # (B, 8)
-            out = decoder.step(block, batch.lengths, batch.rope_delta, batch.cache,
-                               context_len=int(batch.lengths.max()) + n_spec + 1, capture=self.target_layer_ids)
-            self.proposer.write_context(out.hidden, batch.lengths, batch.rope_delta)
-            tokens = sample(batch.mask_logits(out.logits), batch.params, batch.lengths[:, None] + offsets)  # (B, 8)
-            n = accepted_prefix(proposals, tokens)
-            m = commit_counts(tokens, n, batch.terminal, batch.max_new - batch.n_generated)
-            batch.commit(tokens, m, n)
+            expected = acceptance.expected_tokens(generating, policy.drafts)
+            head = torch.cat([batch.done.all()[None].float(), generating.sum()[None].float(), expected]).tolist()
+            if head[0]:
+                break
+            n = policy.choose(costs, head[1], head[2:])
+            if n == 0:
+                self._decode_step(decoder, batch)
+                accepted = torch.zeros_like(batch.lengths)
+            else:
+                accepted = self._verify_step(decoder, batch, n)
+                acceptance.observe(generating, accepted, n)
+            acceptance.decay()
             generating_log.append(generating)
-            accepted_log.append(torch.minimum(n, m))
-        return batch, row_stats(generating_log, accepted_log, batch.rows, n_spec)
+            accepted_log.append(accepted)
+            drafted_log.append(n)
+        policy.finish(group, acceptance)
+        return batch, row_stats(generating_log, accepted_log, batch.rows, self.num_spec_tokens, drafted_log)
+
+    def _verify_step(self, decoder: TextDecoder, batch: DecodeBatch, n: int) -> torch.Tensor:
+        """Propose, verify [next_token, d1..dn], accept, commit -> accepted drafts (R,) long."""
+        proposals = self.proposer.propose(batch)[:, :n]                                      # (B, n)
+        block = torch.cat([batch.next_token[:, None], proposals], dim=1)                     # (B, n + 1)
+        out = decoder.step(block, batch.lengths, batch.rope_delta, batch.cache,
+                           context_len=int(batch.lengths.max()) + n + 1, capture=self.target_layer_ids)
+        self.proposer.write_context(out.hidden, batch.lengths, batch.rope_delta)
+        offsets = torch.arange(1, n + 2, device=batch.lengths.device)                        # sampled positions
+        tokens = sample(batch.mask_logits(out.logits), batch.params, batch.lengths[:, None] + offsets)   # (B, n + 1)
+        accepted = accepted_prefix(proposals, tokens)
+        m = commit_counts(tokens, accepted, batch.terminal, batch.max_new - batch.n_generated)
+        batch.commit(tokens, m, accepted)
+        return torch.minimum(accepted, m)
+
+    def _decode_step(self, decoder: TextDecoder, batch: DecodeBatch) -> None:
+        """The baseline's step (generate.baseline_decode), its hidden states kept as draft context."""
+        out = decoder.step(batch.next_token[:, None], batch.lengths, batch.rope_delta, batch.cache,
+                           context_len=int(batch.lengths.max()) + 1, capture=self.target_layer_ids)
+        self.proposer.write_context(out.hidden, batch.lengths, batch.rope_delta)
+        tokens = sample(batch.mask_logits(out.logits), batch.params, batch.lengths[:, None] + 1)     # (B, 1)
+        batch.commit(tokens, torch.ones_like(batch.lengths), torch.zeros_like(batch.lengths))
+
+    # ---------------------------------------------------------------- warm-up
+    @torch.inference_mode()
+    def calibrate(self, decoder: TextDecoder, cache, rows_buckets: list[int], context: int, banned: torch.Tensor,
+                  reps: int = 5) -> None:
+        """Measure, per rows bucket, the seconds of a decode(1) step, of verify(T) for each of the
+        policy's T and of a draft pass, over `cache` (the persistent one: CUDA graphs are captured
+        here, as later batches will replay them) at `context` live positions per row. Writes
+        scratch K/V at positions context.. of the cache's and the draft's rows (no batch is live)."""
+        dev = cache.k.device
+        vocab = self.proposer.lm_head.out_features
+        for rows in rows_buckets:
+            lengths = torch.full((rows,), context, dtype=torch.long, device=dev)
+            delta = torch.zeros(rows, dtype=torch.long, device=dev)
+            params = SamplingParams(key=torch.arange(rows, device=dev), temperature=torch.zeros(rows, device=dev),
+                                    top_p=torch.ones(rows, device=dev),
+                                    top_k=torch.zeros(rows, dtype=torch.long, device=dev))
+            probe = start_batch(cache, lengths, torch.zeros(rows, vocab, device=dev), delta, params, banned,
+                                torch.tensor([-1], device=dev), torch.full((rows,), 8, device=dev))
+
+            def step(t: int):
+                ids = torch.zeros(rows, t, dtype=torch.long, device=dev)
+                out = decoder.step(ids, lengths, delta, cache, context_len=context + t,
+                                   capture=self.target_layer_ids)
+                self.proposer.write_context(out.hidden, lengths, delta)
+            verify = {t: _seconds(lambda t=t: step(t), reps) for t in VERIFY_TOKENS}
+            self.policy.costs[rows] = StepCosts(decode=_seconds(lambda: step(1), reps), verify=verify,
+                                                draft=_seconds(lambda: self.proposer.propose(probe), reps))
+
+
+def _seconds(fn, reps: int) -> float:
+    """Fastest of `reps` timed calls of fn() after one untimed call (which captures its CUDA
+    graph): the least disturbed by other work on the machine."""
+    fn()
+    times = []
+    for _ in range(reps):
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()

@@ -18,6 +18,7 @@ class RowStats:
 
     accepted: list[int]
     drafted: list[int]
+    baseline_steps: int = 0       # decode steps without drafts (the policy chose the baseline's step)
 
 
 @dataclass
@@ -27,6 +28,7 @@ class SpecStats:
     num_spec_tokens: int
     per_step_accepted: list[int]
     per_step_drafted: list[int]
+    baseline_steps: int = 0
 
     @property
     def steps(self) -> int:
@@ -43,21 +45,26 @@ class SpecStats:
     @classmethod
     def merge(cls, num_spec_tokens: int, rows: list[RowStats]) -> "SpecStats":
         """The K samples of one request: steps concatenated in sample order."""
-        return cls(num_spec_tokens, [a for r in rows for a in r.accepted], [d for r in rows for d in r.drafted])
+        return cls(num_spec_tokens, [a for r in rows for a in r.accepted], [d for r in rows for d in r.drafted],
+                   sum(r.baseline_steps for r in rows))
 
 
 def row_stats(generating: list[torch.Tensor], accepted: list[torch.Tensor], rows: int,
-              num_spec_tokens: int) -> list[RowStats]:
-    """Per verify step, generating (R,) bool and accepted drafts (R,) long -> one RowStats per row,
-    counting only the steps where the row was still generating."""
+              num_spec_tokens: int, drafted: list[int] | None = None) -> list[RowStats]:
+    """Per loop step, generating (R,) bool, accepted drafts (R,) long and drafts verified (0: a
+    plain decode step; default num_spec_tokens every step) -> one RowStats per row, counting only
+    the steps where the row was still generating."""
     if not generating:
         return [RowStats([], []) for _ in range(rows)]
+    drafted = [num_spec_tokens] * len(generating) if drafted is None else drafted
     gen = torch.stack(generating).cpu()            # (steps, R)
     acc = torch.stack(accepted).cpu()
+    spec = torch.tensor([d > 0 for d in drafted])
+    n = torch.tensor(drafted)
     out = []
     for r in range(rows):
-        steps = acc[gen[:, r], r].tolist()
-        out.append(RowStats(steps, [num_spec_tokens] * len(steps)))
+        verify = gen[:, r] & spec
+        out.append(RowStats(acc[verify, r].tolist(), n[verify].tolist(), int((gen[:, r] & ~spec).sum())))
     return out
 
 
@@ -77,6 +84,10 @@ def speculative_block(stats: SpecStats, detailed: bool = False) -> dict:
         "mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
         "acceptance_histogram": histogram,
     }
+    block["num_baseline_steps"] = stats.baseline_steps
+    total = steps + stats.baseline_steps
+    block["speculated_step_fraction"] = steps / total if total else 0.0
+    block["mean_verify_tokens"] = 1.0 + drafted / steps if steps else 1.0
     if detailed:
         block["per_step_accepted"] = list(stats.per_step_accepted)
         block["per_step_drafted"] = list(stats.per_step_drafted)

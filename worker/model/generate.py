@@ -106,8 +106,13 @@ class Speculator(Protocol):
     def load_context(self, rows: slice, hidden: dict[int, torch.Tensor], rope_delta: int) -> None:
         """One scene's prefill hidden states {layer: (1, P, H)} become the context of `rows`."""
 
-    def decode(self, decoder: TextDecoder, batch: DecodeBatch) -> tuple[DecodeBatch, list[Any]]:
-        """Decode every row to done; -> (batch, one per-row stats object per row)."""
+    def decode(self, decoder: TextDecoder, batch: DecodeBatch, group: object = None) -> tuple[DecodeBatch, list[Any]]:
+        """Decode every row to done; -> (batch, one per-row stats object per row). group: the
+        batch's (task, K), for speculators that learn acceptance per group."""
+
+    def calibrate(self, decoder: TextDecoder, cache: StaticKVCache, rows_buckets: list[int], context: int,
+                  banned: torch.Tensor) -> None:
+        """Measure step costs per rows bucket over `cache` at `context` live positions (warm-up)."""
 
     def merge_stats(self, rows: list[Any]) -> Any:
         """The per-row stats of one request's K samples -> its per-request stats (SceneResult.speculative)."""

@@ -133,6 +133,15 @@ class ImageProcessing:
         x = self._resize(torch.from_numpy(np.array(frame))[None])    # a copy: decoded frames are read-only
         return x[0].permute(1, 2, 0).contiguous().numpy()
 
+    def grid(self, frames) -> torch.Tensor:
+        """(N, 3) long patch grid (1, gh, gw) per image of frames (N, H, W, 3): uint8 frames are
+        resized to `target_size`, float frames (from `shrink`) are already at it. Raises
+        ValueError on an aspect ratio the model refuses."""
+        n, h, w = frames.shape[:3]
+        if frames.dtype in (np.uint8, torch.uint8):
+            h, w = self.target_size(h, w)
+        return torch.tensor([[1, h // self.patch_size, w // self.patch_size]] * n, dtype=torch.long)
+
     def __call__(self, frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """frames (N, H, W, 3) uint8, or fp32 frames already resized by `shrink` (one size)
         -> pixel_values (N*gh*gw, 3*T*P*P) fp32, grid (N, 3).
@@ -154,8 +163,7 @@ class ImageProcessing:
         x = x.reshape(n, 3, gh // m, m, p, gw // m, m, p).permute(0, 2, 5, 3, 6, 1, 4, 7)
         x = x.unsqueeze(6).expand(-1, -1, -1, -1, -1, -1, t, -1, -1)
         pixel_values = x.reshape(n * gh * gw, 3 * t * p * p)
-        grid = torch.tensor([[1, gh, gw]] * n, dtype=torch.long)
-        return pixel_values, grid
+        return pixel_values, self.grid(frames)
 
 
 def mrope_positions(input_ids: torch.Tensor, image_grid: torch.Tensor, image_token_id: int,

@@ -10,7 +10,9 @@ each row's own `<|traj_future_start|>`.
 
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -33,6 +35,9 @@ from worker.model.tokenizer import generation_stop_ids, load_chat_template, load
 from worker.model.trajectory_tokens import future_tokenizer_from_config, history_tokenizer_from_config
 
 TRAJECTORY_MAX_NEW = 256
+PREP_THREADS = min(8, os.cpu_count() or 1)     # scenes whose frames are staged at once (`_stage`)
+CALIBRATION_CONTEXT = 4400     # live positions per row when step costs are measured (a 24-image prompt)
+CPU_CALIBRATION_CONTEXT = 256  # the same on the CPU reference path (the tests' small scenes)
 DEFAULT_MAX_NEW = {"trajectory": TRAJECTORY_MAX_NEW, "meta_action": 512, "auto_labeling": 1024,
                    "vqa": 1024, "grounding": 1024}
 
@@ -107,11 +112,35 @@ class _Prepared:
     input_ids: torch.Tensor
     positions: torch.Tensor
     rope_delta: int
-    pixel_values: torch.Tensor
     grid: torch.Tensor
     hist_xyz: torch.Tensor | None
     hist_rot: torch.Tensor | None
-    image_prep_ms: float
+    image_prep_ms: float                          # host work: prompt, frames staging (`_stage`)
+    staged: Future                                # -> (staged frames or CPU pixel values, host ms): `_stage`
+    pixel_values: torch.Tensor | None = None      # set by AlpamayoRuntime._pixel_values
+
+
+class _Marks:
+    """Stage boundaries of the prefill loop without a host sync per scene: CUDA events on the
+    GPU (read once, after the loop), wall clock on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals_ms(self) -> list[float]:
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1000.0 for a, b in zip(self.marks, self.marks[1:])]
 
 
 class AlpamayoRuntime:
@@ -126,6 +155,7 @@ class AlpamayoRuntime:
         self.device = device
         self.dtype = dtype
         self.speculator = speculator
+        self._prep_pool = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="image-prep")
         self.stop_ids: tuple[int, ...] = ()      # generation_config.json eos ids (text tasks)
         self.max_model_len = max_model_len
         self.share_prefill = True
@@ -170,10 +200,12 @@ class AlpamayoRuntime:
         return rt
 
     # ------------------------------------------------------------------ per-scene preparation
-    def _prepare(self, req: SceneRequest) -> _Prepared:
+    def _prepare(self, req: SceneRequest, pool: ThreadPoolExecutor | None = None) -> _Prepared:
+        """A scene's prompt, positions and egomotion; its frames' host work (`_stage`) runs in
+        `pool` when given (collected by `_pixel_values` just before the scene's prefill, so later
+        scenes' frames are staged while earlier scenes prefill), else here, pixel values included."""
         t0 = time.perf_counter()
-        frames = torch.from_numpy(np.ascontiguousarray(req.frames)).to(self.device)
-        pixel_values, grid = self.image_proc(frames)
+        grid = self.image_proc.grid(req.frames)
         hist_xyz = hist_rot = None
         history_ids = future_ids = None
         if req.task in TASKS_NEEDING_EGOMOTION:
@@ -197,9 +229,38 @@ class AlpamayoRuntime:
         spec = PromptSpec(req.task, tuple(req.camera_ids), req.num_frames, tokens_per_image, req.nav_text, req.question)
         input_ids = self.prompts.encode(spec, history_ids, future_ids)
         positions, delta = mrope_positions(input_ids, grid, self.ids.image_pad, self.image_proc.merge_size)
-        _sync(self.device)
-        return _Prepared(req, input_ids, positions, delta, pixel_values.to(self.dtype), grid, hist_xyz, hist_rot,
-                         (time.perf_counter() - t0) * 1000.0)
+        if pool is not None:
+            staged = pool.submit(self._stage, req.frames)
+        else:
+            staged = Future()
+            staged.set_result(self._stage(req.frames))
+        p = _Prepared(req, input_ids, positions, delta, grid, hist_xyz, hist_rot, (time.perf_counter() - t0) * 1000.0,
+                      staged)
+        if pool is None:
+            self._pixel_values(p)
+        return p
+
+    def _stage(self, frames: np.ndarray) -> tuple[torch.Tensor, float]:
+        """Host work on one scene's frames (thread-safe; numpy and torch release the GIL): on CUDA a
+        pinned copy, which the device copy then reads asynchronously; on the CPU the whole
+        preprocessing (resize, normalise, patchify) -> pixel values. -> (tensor, milliseconds)."""
+        t0 = time.perf_counter()
+        x = torch.from_numpy(np.ascontiguousarray(frames))
+        if self.device.type == "cuda":
+            x = x.pin_memory()
+        else:
+            x = self.image_proc(x)[0].to(self.dtype)
+        return x, (time.perf_counter() - t0) * 1000.0
+
+    def _pixel_values(self, p: _Prepared) -> torch.Tensor:
+        """The scene's pixel values on the device (CUDA: copy and preprocess there, no sync)."""
+        if p.pixel_values is None:
+            x, host_ms = p.staged.result()
+            if self.device.type == "cuda":
+                x = self.image_proc(x.to(self.device, non_blocking=True))[0].to(self.dtype)
+            p.pixel_values = x
+            p.image_prep_ms += host_ms
+        return p.pixel_values
 
     @torch.inference_mode()
     def _prefill(self, p: _Prepared, capture: tuple[int, ...]):
@@ -234,7 +295,7 @@ class AlpamayoRuntime:
         prepared: list[_Prepared] = []
         for req in batch:
             try:
-                prepared.append(self._prepare(req))
+                prepared.append(self._prepare(req, self._prep_pool))
             except InferenceError as e:
                 results[req.request_id].error = (e.code, str(e))
             except ValueError as e:
@@ -292,20 +353,25 @@ class AlpamayoRuntime:
             self.speculator.begin(cache.rows if persistent else rows, cache.capacity, persistent=persistent,
                                   graphs=self.graphs)
         first_logits = torch.zeros(rows, self.model.lm_head.out_features, device=dev)
-        prefill_ms = []
+        marks = _Marks(dev)
         for s, p in enumerate(ok):
-            with _Clock(dev) as c:
-                # one prefill forked K ways (share_prefill=False: the K-separate-prefills reference)
-                forks = [slice(s * k, (s + 1) * k)] if self.share_prefill else \
-                    [slice(r, r + 1) for r in range(s * k, (s + 1) * k)]
-                for rows_ in forks:
-                    logits, layer_kv, hidden = self._prefill(p, capture)
-                    cache.load_prefix(layer_kv, rows_)
-                    first_logits[rows_] = logits
-                    if speculate:
-                        self.speculator.load_context(rows_, hidden, p.rope_delta)
-                    del layer_kv
-            prefill_ms.append(c.ms)
+            marks.mark()
+            self._pixel_values(p)
+            marks.mark()
+            # one prefill forked K ways (share_prefill=False: the K-separate-prefills reference)
+            forks = [slice(s * k, (s + 1) * k)] if self.share_prefill else \
+                [slice(r, r + 1) for r in range(s * k, (s + 1) * k)]
+            for rows_ in forks:
+                logits, layer_kv, hidden = self._prefill(p, capture)
+                cache.load_prefix(layer_kv, rows_)
+                first_logits[rows_] = logits
+                if speculate:
+                    self.speculator.load_context(rows_, hidden, p.rope_delta)
+                del layer_kv
+        marks.mark()
+        spans = marks.intervals_ms()                  # per scene: device image prep, prefill
+        prefill_ms = spans[1::2]
+        device_prep_ms = spans[0::2] if dev.type == "cuda" else [0.0] * len(ok)     # CPU: staging is host work
         pad = rows - real
 
         def rep(xs, fill=0, dtype=torch.long):      # per scene -> per row (K each), padded rows last
@@ -329,7 +395,7 @@ class AlpamayoRuntime:
             batch = start_batch(cache, rep(plens), first_logits, rep([p.rope_delta for p in ok]), params, banned,
                                 torch.tensor(terminal, device=dev), rep(max_new, 1), real_rows=real)
             if speculate:
-                batch, spec_rows = self.speculator.decode(self.decoder, batch)
+                batch, spec_rows = self.speculator.decode(self.decoder, batch, group=(task, k))
             else:
                 batch = baseline_decode(self.decoder, batch)
         trajectories = rotations = None
@@ -365,7 +431,7 @@ class AlpamayoRuntime:
                 res.rotations = rotations[s * k:(s + 1) * k]
             if speculate:
                 res.speculative = self.speculator.merge_stats(spec_rows[s * k:(s + 1) * k])
-            res.timings_ms = {"image_prep": p.image_prep_ms, "prefill": prefill_ms[s],
+            res.timings_ms = {"image_prep": p.image_prep_ms + device_prep_ms[s], "prefill": prefill_ms[s],
                               "decode": c_decode.ms, "diffusion": diffusion_ms}
 
     def _cache_for(self, real_rows: int, need: int):
@@ -388,8 +454,27 @@ class AlpamayoRuntime:
         self.decoder.persistent = None
 
     # ------------------------------------------------------------------ warm-up
+    def calibrate_speculation(self, rows_buckets: list[int] | None = None) -> None:
+        """Measure the speculator's step costs per rows bucket (its policy drafts only where that
+        pays): over the persistent cache at every graph bucket up to max_rows when graphs are on
+        (capturing the graphs later batches replay), else over a scratch cache."""
+        if self.speculator is None:
+            return
+        block = self.speculator.block_size
+        if self.max_rows:
+            buckets = rows_buckets or sorted({bucket(1 << i, self.max_rows) for i in range(self.max_rows.bit_length())})
+            cache, _ = self._cache_for(1, 1)
+        else:
+            buckets = rows_buckets or [1, 2, 4, 8]
+            cache = self.decoder.new_cache(max(buckets), CPU_CALIBRATION_CONTEXT + block, self.dtype, self.device)
+        persistent = cache is self.decoder.persistent
+        self.speculator.begin(cache.rows, cache.capacity, persistent=persistent, graphs=self.graphs)
+        context = min(CALIBRATION_CONTEXT, cache.capacity - block)
+        self.speculator.calibrate(self.decoder, cache, buckets, context, self._banned_traj)
+
     def warmup(self, k_values: list[int], image_size: tuple[int, int] = (64, 64)) -> None:
-        """Run one synthetic trajectory scene per K (untimed), so the first real request is not slower."""
+        """Run one synthetic trajectory scene per K (untimed), so the first real request is not
+        slower; on CUDA also measure the speculator's step costs (`calibrate_speculation`)."""
         rng = np.random.default_rng(0)
         n = 6 * 4
         for k in k_values:
@@ -402,6 +487,8 @@ class AlpamayoRuntime:
                 ego_history_rot=np.tile(np.eye(3, dtype=np.float32), (16, 1, 1)),
                 num_samples=k, temperature=0.6 if k > 1 else 0.0, seed=0)
             self.run([req])
+        if self.device.type == "cuda":
+            self.calibrate_speculation()
 
     @property
     def identity(self) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -344,3 +345,19 @@ def test_loading_logs_one_line_per_shard(ckpt, caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded shard")]
     assert len(lines) == len(shards) > 1
     assert lines[-1].startswith(f"loaded shard {len(shards)}/{len(shards)} {shards[-1]}") and "GB/s" in lines[-1]
+
+
+def test_frames_are_staged_on_the_prep_pool_with_the_same_pixels(rt, monkeypatch):
+    req = scene(3)
+    pooled = rt._prepare(req, rt._prep_pool)
+    eager = rt._prepare(req)
+    direct = rt.image_proc(torch.from_numpy(req.frames))[0]      # the preprocessing of every scene before
+    assert torch.equal(rt._pixel_values(pooled), eager.pixel_values) and torch.equal(eager.pixel_values, direct)
+    threads, stage = [], rt._stage
+    monkeypatch.setattr(rt, "_stage", lambda frames: (threads.append(threading.current_thread().name), stage(frames))[1])
+    first = rt.run([scene(1), scene(2)])
+    assert len(threads) == 2 and all(t.startswith("image-prep") for t in threads), threads
+    monkeypatch.undo()
+    again = rt.run([scene(1), scene(2)])
+    assert [r.token_ids for r in first] == [r.token_ids for r in again]
+    assert all(r.timings_ms["image_prep"] > 0 for r in first)

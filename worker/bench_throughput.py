@@ -1,0 +1,306 @@
+"""Throughput benchmark: `python -m worker.bench --throughput [--shape 32b] [--batches 1,8,16,32]`.
+
+Whole scenes (24 frames each, full HD on the 32B shape) through `AlpamayoRuntime.run`, per
+precision profile (bf16, then the same weights quantised to fp8) and per batch size and K:
+  baseline  the runtime without a speculator
+  dflash2   a random-weight DFlash2 draft network (its cost is real) whose proposals come from
+            the oracle at tau = 4 (worker/dflash/oracle.py: the baseline's own tokens of this
+            batch, errors injected), under the adaptive policy calibrated at warm-up
+Prints scenes/s per GPU with the per-stage split (image prep, prefill, reasoning, diffusion), the
+dflash2 / baseline speed ratio at each batch and the `Targets: throughput` table of issue 17; with
+`--demo CKPT --head HEAD` also dflash2 against the baseline on the demo checkpoint (batch 16, K=1
+and K=3, its real head: `demo_speed`).
+Each measured batch is preceded by untimed ones of one-image scenes at the same batch and K
+(CUDA graphs captured, the policy's acceptance learnt), so only steady-state work is timed.
+Budget on an H200 (32B shape, defaults): about 1 min to build the model, then ~3 min per profile.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from worker.bench import Table, _sync, build_model, condition_successors, make_runtime, random_draft
+from worker.dflash.loop import DFlash2Speculator
+from worker.dflash.metrics import SpecStats, speculative_block
+from worker.dflash.oracle import OracleProposer, error_rate_for_tau
+from worker.model import memory_plan
+from worker.model.fp8 import quantize_model_fp8
+from worker.model.runtime import SceneRequest
+
+TAU = 4.0
+CAMERAS = (0, 1, 2, 3, 5, 6)
+WARMUP_REASONING = 16          # reasoning tokens of the untimed warm-up batches
+GPU_MEMORY_FRACTION = 0.93      # of the H200 for weights + persistent cache (the bench's own plan)
+
+
+@dataclass
+class Measured:
+    wall_s: float
+    scenes: int
+    prep_ms: float          # summed over scenes (overlaps the GPU's work where the runtime overlaps it)
+    prefill_ms: float       # summed over scenes
+    reasoning_ms: float     # the batch's decode loop
+    diffusion_ms: float
+    prefill_per_scene_ms: float
+    spec: dict | None = None
+
+    @property
+    def scenes_per_s(self) -> float:
+        return self.scenes / self.wall_s
+
+    def split(self) -> str:
+        return (f"prep {self.prep_ms:.0f}, prefill {self.prefill_ms:.0f}, reasoning {self.reasoning_ms:.0f}, "
+                f"diffusion {self.diffusion_ms:.0f} ms")
+
+
+def scenes(n: int, k: int, image_hw: tuple[int, int], tag: str, cameras: tuple[int, ...] = CAMERAS,
+           num_frames: int = 4) -> list[SceneRequest]:
+    """n trajectory scenes of len(cameras) x num_frames frames; two distinct frame sets alternate
+    (host memory)."""
+    rng = np.random.default_rng(len(tag))
+    frame_sets = [rng.integers(0, 255, (len(cameras) * num_frames, *image_hw, 3), dtype=np.uint8)
+                  for _ in range(min(n, 2))]
+    xyz = np.zeros((16, 3), np.float32)
+    xyz[:, 0] = np.linspace(-15, 0, 16)
+    rot = np.tile(np.eye(3, dtype=np.float32), (16, 1, 1))
+    return [SceneRequest(request_id=f"{tag}-{i}", task="trajectory", frames=frame_sets[i % len(frame_sets)],
+                         camera_ids=cameras, num_frames=num_frames, ego_history_xyz=xyz, ego_history_rot=rot, num_samples=k,
+                         temperature=0.6 if k > 1 else 0.0, seed=i) for i in range(n)]
+
+
+def reference(results) -> torch.Tensor:
+    """The baseline's generated tokens per row (scene-major, K per scene), zero-padded."""
+    rows = [toks for r in results for toks in r.token_ids]
+    ref = torch.zeros(len(rows), max(len(t) for t in rows) + 8, dtype=torch.long)
+    for i, t in enumerate(rows):
+        ref[i, :len(t)] = torch.tensor(t)
+    return ref
+
+
+def timed_run(rt, reqs: list[SceneRequest], reps: int) -> tuple[Measured, list]:
+    walls, last = [], None
+    for _ in range(reps):
+        _sync()
+        t0 = time.perf_counter()
+        last = rt.run(reqs)
+        _sync()
+        walls.append(time.perf_counter() - t0)
+    errors = [r.error for r in last if r.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} scenes failed: {errors[0]}")
+    tm = [r.timings_ms for r in last]
+    spec = None
+    if last[0].speculative is not None:
+        merged = SpecStats(last[0].speculative.num_spec_tokens, [a for r in last for a in r.speculative.per_step_accepted],
+                           [d for r in last for d in r.speculative.per_step_drafted],
+                           sum(r.speculative.baseline_steps for r in last))
+        spec = speculative_block(merged)
+    return Measured(statistics.median(walls), len(reqs), sum(t["image_prep"] for t in tm),
+                    sum(t["prefill"] for t in tm), tm[0]["decode"], tm[0]["diffusion"],
+                    statistics.median(t["prefill"] for t in tm), spec), last
+
+
+def with_oracle(spec: DFlash2Speculator, ref: torch.Tensor):
+    """Context: the speculator proposes the reference's tokens with errors for tau = TAU."""
+    class _Ctx:
+        def __enter__(self):
+            self.inner = spec.proposer
+            spec.proposer = OracleProposer(self.inner, ref, error_rate_for_tau(TAU), seed=7)
+
+        def __exit__(self, *exc):
+            spec.proposer = self.inner
+    return _Ctx()
+
+
+def measure_batch(t: Table, rt, spec: DFlash2Speculator, profile: str, b: int, k: int, image_hw, reps: int) -> dict:
+    """Baseline then dflash2 on the same b scenes at K=k, after an untimed batch of one-image scenes
+    (short prompts, WARMUP_REASONING tokens: cheap) per mode at the same rows bucket."""
+    out = {}
+    small = scenes(b, k, (64, 64), f"warm-{profile}-{b}-{k}", cameras=CAMERAS[:1], num_frames=1)
+    reqs = scenes(b, k, image_hw, f"{profile}-{b}-{k}")
+    full = rt.trajectory_max_new
+    rt.trajectory_max_new = min(full, WARMUP_REASONING)
+    try:
+        rt.speculator = None
+        warm_ref = reference(rt.run(small))
+        rt.speculator = spec
+        with with_oracle(spec, warm_ref):
+            rt.run(small)
+    finally:
+        rt.trajectory_max_new = full
+    rt.speculator = None
+    out["baseline"], base_res = timed_run(rt, reqs, reps)
+    rt.speculator = spec
+    with with_oracle(spec, reference(base_res)):
+        out["dflash2"], spec_res = timed_run(rt, reqs, reps)
+    same = sum(a.token_ids == c.token_ids for a, c in zip(base_res, spec_res))
+    for mode in ("baseline", "dflash2"):
+        m = out[mode]
+        extra = ""
+        if m.spec:
+            extra = (f"; mean acceptance length {m.spec['mean_acceptance_length']:.2f}, speculated "
+                     f"{m.spec['speculated_step_fraction']:.0%} of steps, verify {m.spec['mean_verify_tokens']:.1f} "
+                     f"tokens; outputs equal the baseline's in {same}/{b} scenes")
+        t.add("thru", f"{profile}-{mode} batch {b} K={k}",
+              f"{m.scenes_per_s:.2f} scenes/s, {m.wall_s * 1e3:.0f} ms ({m.split()}){extra}")
+    ratio = out["baseline"].wall_s / out["dflash2"].wall_s
+    out["ratio"] = ratio
+    out["identical"] = same == b
+    t.add("thru", f"{profile} batch {b} K={k}: dflash2 / baseline speed", f"{ratio:.2f}x")
+    return out
+
+
+def plan_rows(rt, capacity: int, rows_wanted: int) -> int:
+    if rt.device.type != "cuda":
+        return rows_wanted
+    total = torch.cuda.mem_get_info(rt.device)[1]
+    p = memory_plan.plan("cuda", total, GPU_MEMORY_FRACTION, torch.cuda.memory_allocated(rt.device),
+                         rt.kv_bytes_per_column(), capacity, rows_wanted=rows_wanted, rows_needed=3,
+                         prefill_bytes_per_column=rt.kv_bytes_per_column(with_draft=False))
+    return p.max_rows
+
+
+def throughput_targets(res: dict, batches: list[int]) -> str:
+    """The `Targets: throughput` table (issue 17) from this run's figures."""
+    rows = []
+
+    def row(target: str, value: float | None, ok, text: str):
+        rows.append(f"| {target} | {text if value is not None else 'not measured'} | "
+                    f"{'met' if value is not None and ok(value) else 'missed'} |")
+
+    def get(profile, b, k, mode="dflash2"):
+        return res.get((profile, b, k), {}).get(mode)
+
+    one = get("fp8", 1, 1)
+    row("one scene, K=1, fp8-dflash2 at oracle tau=4, batch 1: <= 0.6 s end to end", one and one.wall_s,
+        lambda v: v <= 0.6, f"{one.wall_s:.3f} s ({one.split()})" if one else "")
+    b16 = get("fp8", 16, 1)
+    row("fp8-dflash2 at oracle tau=4, batch 16, K=1: >= 3 scenes/s per GPU", b16 and b16.scenes_per_s,
+        lambda v: v >= 3.0, f"{b16.scenes_per_s:.2f} scenes/s" if b16 else "")
+    k3 = get("fp8", 1, 3)
+    r = k3.wall_s / one.wall_s if (k3 and one) else None
+    row("K=3 scene <= 1.3x the K=1 scene (fp8-dflash2, batch 1)", r, lambda v: v <= 1.3, f"{r:.2f}x" if r else "")
+    for profile in ("fp8", "bf16"):
+        ratios = {b: res[(profile, b, 1)]["ratio"] for b in batches if (profile, b, 1) in res}
+        ratios3 = {b: res[(profile, b, 3)]["ratio"] for b in batches if (profile, b, 3) in res}
+        if not ratios:
+            continue
+        text = ", ".join(f"batch {b}: {v:.2f}x" for b, v in ratios.items())
+        text += "".join(f", batch {b} K=3: {v:.2f}x" for b, v in ratios3.items())
+        worst = min([*ratios.values(), *ratios3.values()])
+        row(f"{profile}-dflash2 never slower than the {profile} baseline: >= 1.0x at every batch "
+            f"({'/'.join(map(str, ratios))})", worst, lambda v: v >= 1.0, text)
+    for profile, limit in (("fp8", 330.0), ("bf16", 500.0)):
+        m = get(profile, 1, 1, "baseline")
+        row(f"{profile} prefill of a 24-image scene: <= {limit:.0f} ms", m and m.prefill_per_scene_ms,
+            lambda v, limit=limit: v <= limit, f"{m.prefill_per_scene_ms:.0f} ms" if m else "")
+    head = ["### Targets: throughput", "", "| target | measured | status |", "|---|---|---|"]
+    return "\n".join(head + rows)
+
+
+def throughput(t: Table, shape: str, batches: list[int], k3: list[int], profiles: list[str],
+               reps: int, reasoning: int | None = None) -> str:
+    """Run the benchmark; -> the Markdown targets table (rows are printed through `t` as measured)."""
+    gpu = torch.cuda.is_available()
+    dev = torch.device("cuda" if gpu else "cpu")
+    dtype = torch.bfloat16 if gpu else torch.float32
+    image_hw = (1080, 1920) if shape == "32b" else (64, 64)
+    reasoning = reasoning or (64 if gpu else 8)
+    model, cfg, tok = build_model(shape, dev, dtype)
+    rt = make_runtime(model, cfg, tok, dev, dtype)
+    rt.trajectory_max_new = reasoning
+    allowed = ~rt._banned_text
+    allowed[[rt.ids.traj_future_start, rt.ids.im_end, rt.ids.endoftext]] = False   # every row reasons `reasoning` tokens
+    condition_successors(model, allowed)
+    spec = DFlash2Speculator(random_draft(rt), model)
+    rt.speculator = spec
+    prompt = len(rt._prepare(scenes(1, 1, image_hw, "len")[0]).input_ids)
+    capacity = -(-(prompt + reasoning + 2 * rt.expert.num_waypoints) // 256) * 256
+    rows_wanted = max([*batches, *[3 * b for b in k3]])
+    max_rows = plan_rows(rt, capacity, rows_wanted)
+    t.add("thru", f"{shape}: prompt / capacity / cache rows", f"{prompt} tokens / {capacity} columns / {max_rows} rows")
+    rt.enable_graphs(max_rows=max_rows, capacity=capacity)
+    res = {}
+    for profile in profiles:
+        if profile == "fp8":
+            rt.graphs.clear()
+            quantize_model_fp8(model)
+            rt.decoder.fuse()
+            if gpu:
+                torch.cuda.empty_cache()
+        t0 = time.perf_counter()
+        spec.policy.costs.clear()
+        spec.policy.groups.clear()
+        rt.speculator = spec
+        rt.calibrate_speculation()
+        c1 = spec.policy.costs_for(1)
+        t.add("thru", f"{profile}: warm-up calibration ({len(spec.policy.costs)} row buckets)",
+              f"{time.perf_counter() - t0:.1f} s; batch 1: decode {c1.decode * 1e3:.2f} ms, verify(8) "
+              f"{c1.verify[8] * 1e3:.2f} ms, draft {c1.draft * 1e3:.2f} ms")
+        rt.speculator = None
+        rt.run(scenes(1, 1, image_hw, f"first-{profile}"))       # first full-size prefill (library warm-up)
+        for k in (1, 3):
+            for b in (batches if k == 1 else k3):
+                if b * k > max_rows:
+                    t.add("thru", f"{profile} batch {b} K={k}", f"skipped: {b * k} rows > {max_rows} cache rows")
+                    continue
+                try:
+                    res[(profile, b, k)] = measure_batch(t, rt, spec, profile, b, k, image_hw, reps)
+                except RuntimeError as e:          # a failed batch (e.g. out of memory): report, go on
+                    t.add("thru", f"{profile} batch {b} K={k}", f"failed: {str(e)[:200]}")
+                    if gpu:
+                        torch.cuda.empty_cache()
+    return throughput_targets(res, batches)
+
+
+def demo_speed(t: Table, checkpoint: str, head: str, n: int = 16) -> list[str]:
+    """The demo checkpoint with its real head (held-out scenes, batch n): dflash2 under the
+    calibrated policy against the baseline, K=1 greedy and K=3 at T=0.6 -> target rows."""
+    from worker.dflash.train import demo_requests
+    from worker.model.runtime import AlpamayoRuntime
+
+    base = AlpamayoRuntime.load(checkpoint)
+    spec = AlpamayoRuntime.load(checkpoint, speculator_factory=DFlash2Speculator.factory(head))
+    for rt in (base, spec):
+        rt.enable_graphs(max_rows=3 * n, capacity=1024)
+    spec.calibrate_speculation()
+    rows = []
+    for k, temperature in ((1, 0.0), (3, 0.6)):
+        reqs = demo_requests(range(92_000_000, 92_000_000 + n), k=k, temperature=temperature)
+        for rt in (base, spec):
+            rt.run(reqs)                    # untimed: graphs captured, the policy's acceptance learnt
+        (mb, rb), (ms, rs) = timed_run(base, reqs, 2), timed_run(spec, reqs, 2)
+        same = sum(a.token_ids == b.token_ids for a, b in zip(rb, rs))
+        ratio = mb.wall_s / ms.wall_s
+        text = (f"{ratio:.2f}x ({ms.spec['speculated_step_fraction']:.0%} of steps speculated, mean acceptance "
+                f"length {ms.spec['mean_acceptance_length']:.2f}); outputs identical in {same}/{n}")
+        t.add("demo", f"demo checkpoint, batch {n}, K={k}: dflash2 / baseline speed", text)
+        rows.append(f"| dflash2 never slower than the baseline on the demo checkpoint, batch {n}, K={k}: >= 1.0x, "
+                    f"outputs identical | {text} | {'met' if ratio >= 1.0 and same == n else 'missed'} |")
+    return rows
+
+
+def main(args) -> int:
+    """`python -m worker.bench --throughput ...` (worker/bench.py parses the arguments)."""
+    gpu = torch.cuda.is_available()
+    batches = [int(x) for x in (args.batches or ("1,16" if args.quick else "1,8,16,32" if gpu else "1,2")).split(",")]
+    k3 = [int(x) for x in (args.k3_batches if args.k3_batches is not None else
+                           "1" if args.quick or not gpu else "1,8").split(",") if x]
+    t = Table()
+    t.add("setup", "device", torch.cuda.get_device_name(0) if gpu else "cpu")
+    targets = throughput(t, args.shape, batches, k3, args.profiles.split(","), args.reps, args.new_tokens)
+    if args.demo and args.head:
+        if gpu:
+            torch.cuda.empty_cache()
+        targets += "\n" + "\n".join(demo_speed(t, args.demo, args.head))
+    md = t.markdown() + "\n\n" + targets
+    if args.out:
+        Path(args.out).write_text(md + "\n")
+    print("\n" + md, flush=True)
+    return 0
