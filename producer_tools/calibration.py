@@ -26,6 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from producer_tools.common import ToolError
+from worker.demo_cache import demo_checkpoint
 from worker.scenes import generate_scene
 from worker.scenes.request import runtime_request
 from worker.uncertainty import uncertainty_block
@@ -87,9 +88,7 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
 def _checkpoint(opts: CalibrationOptions) -> Path:
     if opts.checkpoint:
         return Path(opts.checkpoint)
-    from worker.demo.build import build_demo_checkpoint  # torch and training code: only without --checkpoint
-
-    return Path(build_demo_checkpoint(cache_root=opts.cache_root, progress=opts.progress))
+    return demo_checkpoint()                          # shipped, verified against its manifest
 
 
 def _summary(k: int, rows: list[dict[str, Any]]) -> dict[str, Any]:

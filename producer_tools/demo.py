@@ -31,8 +31,7 @@ from producer_tools.common import client_kwargs, kafka_options, new_run_id
 from producer_tools.publish import run_request
 from producer_tools.scene_sources import iter_synthetic
 from producer_tools.topics import create_topics, plan_topics
-from worker.demo.build import build_demo_checkpoint
-from worker.dflash.train import build_demo_head
+from worker.demo_cache import demo_checkpoint, demo_head
 from worker.scenes import bev_plot, generate_scene
 from worker.process import spawn_worker, wait_ready
 
@@ -142,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     bootstrap = kafka.start()
     print(f"   bootstrap {bootstrap}", flush=True)
     print("== 2. demo checkpoint and DFlash2 head", flush=True)
-    checkpoint = build_demo_checkpoint(progress=True)
-    head = build_demo_head(checkpoint, progress=True)
+    checkpoint = demo_checkpoint()                # shipped, verified against its manifest
+    head = demo_head(checkpoint)
     print(f"   checkpoint {checkpoint}\n   head       {head}", flush=True)
     run_id = new_run_id("demo")
     opts = kafka_options({}, bootstrap_servers=bootstrap, request_topic=f"{run_id}.requests",

@@ -22,8 +22,8 @@ per-request measurements), ``latency_cdf.png``, ``acceptance_histogram.png``,
 ``bev_trajectories.png`` (dflash2 predictions over the scenes' ground truth) and
 ``bev_baseline.png``.
 
-Checkpoint: ``--checkpoint DIR`` or the demo checkpoint (``worker.demo.build``). Head:
-``--head DIR``, or the demo head (``worker.dflash.train.build_demo_head``), or with
+Checkpoint: ``--checkpoint DIR`` or the shipped demo checkpoint (``worker.demo_cache``). Head:
+``--head DIR``, or the shipped demo head, or with
 ``--random-head`` an untrained head of the right shape (acceptance is then near 0 and only the
 plumbing is qualified).
 """
@@ -42,6 +42,7 @@ import numpy as np
 from tqdm import tqdm
 
 from producer_tools.common import ToolError, percentile
+from worker.demo_cache import demo_checkpoint, demo_head
 from schemas import TASKS as ALL_TASKS
 from worker.scenes import bev_plot, generate_scene, read_scene
 from worker.scenes.request import runtime_request
@@ -90,21 +91,12 @@ def _resolve(opts: QualifyOptions) -> tuple[Path, Path, str]:
     if opts.checkpoint:
         ckpt = Path(opts.checkpoint)
     else:
-        try:  # torch and the training code: heavy, only without --checkpoint
-            from worker.demo.build import build_demo_checkpoint
-        except ImportError as exc:
-            raise ToolError(f"no --checkpoint and the demo checkpoint builder is unavailable ({exc})") from None
-        ckpt = Path(build_demo_checkpoint(cache_root=opts.cache_root, progress=opts.progress))
+        ckpt = demo_checkpoint()                      # shipped, verified against its manifest
     if opts.head:
         return ckpt, Path(opts.head), "custom"
     if opts.random_head:
         return ckpt, random_head(ckpt, Path(opts.out) / "random-head"), "random"
-    try:  # torch and the training code: heavy, only without --head
-        from worker.dflash.train import build_demo_head
-    except ImportError as exc:
-        raise ToolError(f"no --head and the demo head builder is unavailable ({exc}); "
-                        "give --head DIR or --random-head") from None
-    return ckpt, Path(build_demo_head(ckpt, cache_root=opts.cache_root, progress=opts.progress)), "demo"
+    return ckpt, demo_head(ckpt, opts.cache_root), "demo"
 
 
 def _load_scenes(opts: QualifyOptions) -> list:

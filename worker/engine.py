@@ -34,10 +34,10 @@ DEFAULT_ROW_CAPACITY = 8192      # cache columns per row without NIM_ALPAMAYO_MA
 
 
 def resolve_checkpoint(settings: Settings) -> Path:
-    """NIM_FT_CHECKPOINT, or the embedded demo checkpoint (built and cached on first use)."""
+    """NIM_FT_CHECKPOINT, or the shipped demo checkpoint (verified against its manifest)."""
     if settings.ft_checkpoint is not None:
         return settings.ft_checkpoint
-    return demo_checkpoint(settings.cache)
+    return demo_checkpoint()
 
 
 def resolve_head(settings: Settings, checkpoint: Path) -> Path | None:

@@ -337,32 +337,78 @@ def load_quality(directory: Path) -> dict:
 
 # ------------------------------------------------------------------ CLI
 
+def ship(checkpoint: Path, head: Path, scenes: int = 64) -> Path:
+    """Copy a built checkpoint and head into the repository (worker/demo/shipped), measure their
+    bars on `scenes` of the checkpoint's held-out scenes (bars.json) and write the manifest."""
+    from worker.demo_cache import shipped_dir, write_manifest
+    from worker.scenes import generate_scene
+
+    out = shipped_dir()
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(checkpoint, out / "checkpoint")
+    shutil.copytree(head, out / "head")
+    seeds = load_quality(out / "checkpoint")["build"]["heldout_scene_seeds"][:scenes]
+    bars = report.measure_bars(out / "checkpoint", out / "head", [generate_scene(s, IMAGE_SIZE) for s in seeds])
+    (out / "bars.json").write_text(json.dumps(bars, indent=1) + "\n")
+    write_manifest(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`alpamayo-worker demo-checkpoint`: build (or reuse) the demo checkpoint, print where it is
-    and its held-out quality table."""
+    """`alpamayo-worker demo-checkpoint`: the shipped demo checkpoint (its path and held-out quality,
+    or with --json its bars), or with --recipe a build by the project's recipe (cached, or into --out)."""
     p = argparse.ArgumentParser(prog="alpamayo-worker demo-checkpoint", description=main.__doc__)
-    p.add_argument("--force", action="store_true", help="rebuild even if a complete checkpoint is cached")
-    p.add_argument("--seed", type=int, default=0, help="training seed (default 0, the embedded checkpoint)")
+    p.add_argument("--json", action="store_true",
+                   help="print the shipped checkpoint's bars as one JSON object (bars.json; --measure: measured now)")
+    p.add_argument("--measure", type=int, default=None, metavar="N",
+                   help="with --json: measure on N held-out scenes on this CPU instead of reading bars.json")
+    p.add_argument("--ship", nargs=2, default=None, metavar=("CKPT", "HEAD"),
+                   help="copy a built checkpoint and head into worker/demo/shipped, measure bars.json, write the manifest")
+    p.add_argument("--recipe", choices=sorted(RECIPES), default=None,
+                   help="build with this recipe (cpu: ~3 CPU-minutes; gpu: ~7 minutes on an H200 with --device cuda)")
+    p.add_argument("--force", action="store_true", help="with --recipe: rebuild even if a complete build is cached")
+    p.add_argument("--seed", type=int, default=0, help="with --recipe: training seed (default 0)")
     p.add_argument("--cache-dir", default=None,
-                   help="cache root (default: ALPAMAYO_CACHE, see worker.config)")
+                   help="with --recipe: cache root (default: ALPAMAYO_CACHE, see worker.config)")
     p.add_argument("--quiet", action="store_true", help="no build progress, only the result")
-    p.add_argument("--recipe", choices=sorted(RECIPES), default="cpu",
-                   help="model size, scenes and steps (default cpu: the ~3-minute CPU build)")
-    p.add_argument("--device", default="cpu", help="where to train and evaluate, e.g. cuda (default cpu)")
-    p.add_argument("--workers", type=int, default=1, help="processes that render scenes and build examples")
-    p.add_argument("--out", default=None, help="build into this directory instead of the cache")
+    p.add_argument("--device", default="cpu", help="with --recipe: where to train and evaluate, e.g. cuda (default cpu)")
+    p.add_argument("--workers", type=int, default=1, help="with --recipe: processes that render scenes and build examples")
+    p.add_argument("--out", default=None, help="with --recipe: build into this directory instead of the cache")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="stop training + expert refinement after this many seconds (quality.json records the steps run)")
+                   help="with --recipe: stop training + expert refinement after this many seconds (quality.json records "
+                        "the steps run)")
     args = p.parse_args(argv)
+    from worker.demo_cache import demo_checkpoint, shipped_dir
+
+    if args.ship:
+        out = ship(Path(args.ship[0]), Path(args.ship[1]))
+        print(f"shipped into {out}")
+        print((out / "bars.json").read_text())
+        return 0
+    if args.json:
+        ckpt = demo_checkpoint()
+        if args.measure:
+            from worker.scenes import generate_scene
+
+            seeds = load_quality(ckpt)["build"]["heldout_scene_seeds"][:args.measure]
+            bars = report.measure_bars(ckpt, shipped_dir() / "head", [generate_scene(s, IMAGE_SIZE) for s in seeds])
+        else:
+            bars = json.loads((shipped_dir() / "bars.json").read_text())
+        print(json.dumps({**bars, "met": report.bars_met(bars)}))
+        return 0
     t0 = time.perf_counter()
-    path = build_demo_checkpoint(args.cache_dir, seed=args.seed, force=args.force, progress=not args.quiet,
-                                 recipe=args.recipe, device=args.device, workers=args.workers, out=args.out,
-                                 budget_s=args.budget_s)
+    if args.recipe is None:
+        path = demo_checkpoint()
+    else:
+        path = build_demo_checkpoint(args.cache_dir, seed=args.seed, force=args.force, progress=not args.quiet,
+                                     recipe=args.recipe, device=args.device, workers=args.workers, out=args.out,
+                                     budget_s=args.budget_s)
     q = load_quality(path)
     b = q.get("build", {})
     print(f"demo checkpoint: {path}")
-    print(f"(v{b.get('demo_version', DEMO_VERSION)}, seed {b.get('seed')}, built in {b.get('build_wall_s')}s wall / "
-          f"{b.get('build_cpu_s')}s CPU; this call {time.perf_counter() - t0:.1f}s)")
+    print(f"(v{b.get('demo_version', DEMO_VERSION)}, recipe {b.get('recipe')}, seed {b.get('seed')}, "
+          f"built on {b.get('device_name')} in {b.get('build_wall_s')}s wall / {b.get('build_cpu_s')}s CPU; "
+          f"this call {time.perf_counter() - t0:.1f}s)")
     print(report.format_table(q))
     return 0
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from worker.scenes import bev_plot
 from worker.scenes.request import runtime_frames, runtime_request
+from worker.scenes.text import is_wellformed_reasoning
 
 LIGHT_BAR = 0.90      # light state named correctly in >= 90 % of held-out scenes
 MIN_ADE_BAR = 1.5     # metres, best of K = 3
@@ -78,6 +79,7 @@ def evaluate(runtime, scenes: Sequence, k: int = 3, temperature: float = 0.6, te
     t0, c0 = time.perf_counter(), time.process_time()
     frames = [runtime_frames(s) for s in scenes]
     light_ok, light_first, lead_ok, ade, fde, preds, failures = [], [], [], [], [], [], []
+    wellformed: list[bool] = []
     per_scene: list[dict] = []
     per_state: dict[str, list[int]] = {}
     for part in _chunks(list(range(len(scenes))), chunk):
@@ -95,6 +97,7 @@ def evaluate(runtime, scenes: Sequence, k: int = 3, temperature: float = 0.6, te
             light_first.append(hits[0])
             per_state.setdefault(want_light, []).append(int(hits[0]))
             lead_ok += [lead_situation_named(t) == want_lead for t in res.texts]
+            wellformed += [is_wellformed_reasoning(t) for t in res.texts]
             gt = np.asarray(sc.ego_future_xyz, dtype=np.float64)[:, :2]
             err = np.linalg.norm(res.trajectories[:, :, :2].astype(np.float64) - gt[None], axis=-1)   # (K, 64)
             ade.append(float(err.mean(axis=1).min()))
@@ -140,6 +143,7 @@ def evaluate(runtime, scenes: Sequence, k: int = 3, temperature: float = 0.6, te
         "light_acc_first_sample": round(float(np.mean(light_first)), 3) if light_first else 0.0,
         "light_acc_by_state": {s: round(float(np.mean(v)), 3) for s, v in sorted(per_state.items())},
         "lead_acc": round(float(np.mean(lead_ok)), 3) if lead_ok else 0.0,
+        "reasoning_wellformed": round(float(np.mean(wellformed)), 3) if wellformed else 0.0,
         "min_ade_m": round(float(np.mean(ade)), 3) if ade else float("nan"),
         "min_fde_m": round(float(np.mean(fde)), 3) if fde else float("nan"),
         "min_ade_median_m": round(float(np.median(ade)), 3) if ade else float("nan"),
@@ -190,3 +194,48 @@ def write_quality(directory: Path, metrics: dict, build: dict) -> dict:
     quality = {"metrics": metrics, "build": build}
     (Path(directory) / "quality.json").write_text(json.dumps(quality, indent=1))
     return quality
+
+
+# ------------------------------------------------------------------ the shipped checkpoint's bars (issue 16)
+
+# key -> (comparison, bar); `measure_bars` measures every key (min_fde_m has no bar)
+BARS = {"light_named": (">=", 0.95), "lead_named": (">=", 0.80), "min_ade_m": ("<=", 1.5), "min_fde_m": (None, None),
+        "reasoning_wellformed": (">=", 0.95), "mean_acceptance_length_greedy": (">=", 5.0),
+        "mean_acceptance_length_t06_k3": (">=", 3.5), "selector_gain": (">=", 0.10)}
+
+
+def measure_bars(checkpoint: Path, head: Path, scenes: Sequence) -> dict:
+    """The demo checkpoint + head on held-out `scenes`, on the CPU in fp32: trajectory quality over
+    K=3 samples at T=0.6 (`evaluate`), DFlash2 mean acceptance length greedy (K=1) and at K=3,
+    T=0.6, and the selector's gain (greedy acceptance over the same head with W_q zeroed, minus 1)."""
+    import torch
+
+    from worker.dflash.loop import DFlash2Speculator
+    from worker.dflash.train import measure_acceptance
+    from worker.model.runtime import AlpamayoRuntime
+
+    t0 = time.perf_counter()
+    rt = AlpamayoRuntime.load(checkpoint, device="cpu", dtype=torch.float32)
+    m, _ = evaluate(rt, scenes, k=3, temperature=0.6, text_scenes=0)
+    spec = AlpamayoRuntime.load(checkpoint, device="cpu", dtype=torch.float32,
+                                speculator_factory=DFlash2Speculator.factory(str(head)))
+
+    def acceptance(k: int, temperature: float) -> float:
+        reqs = [runtime_request(s, "trajectory", num_samples=k, temperature=temperature, seed=1000 + i)
+                for i, s in enumerate(scenes)]
+        return measure_acceptance(spec, reqs)["mean_acceptance_length"]
+
+    greedy, sampled = acceptance(1, 0.0), acceptance(3, 0.6)
+    with torch.no_grad():
+        spec.speculator.draft.selector.q_proj.weight.zero_()
+    plain = acceptance(1, 0.0)
+    return {"scenes": len(scenes), "light_named": m["light_acc"], "lead_named": m["lead_acc"],
+            "min_ade_m": m["min_ade_m"], "min_fde_m": m["min_fde_m"], "reasoning_wellformed": m["reasoning_wellformed"],
+            "mean_acceptance_length_greedy": round(greedy, 3), "mean_acceptance_length_t06_k3": round(sampled, 3),
+            "selector_gain": round(greedy / plain - 1.0, 3), "mean_acceptance_length_greedy_selector_zeroed":
+            round(plain, 3), "measured_on": "cpu, fp32", "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def bars_met(bars: dict) -> dict[str, bool]:
+    """key -> whether its bar is met (keys with a bar only)."""
+    return {k: (bars[k] >= bar if op == ">=" else bars[k] <= bar) for k, (op, bar) in BARS.items() if op}
