@@ -316,5 +316,5 @@ VARIABLES: dict[str, str] = {
     "ALPAMAYO_LOG_LEVEL": "DEBUG | INFO (default) | WARNING | ERROR",
     "ALPAMAYO_MAX_REASONING_TOKENS": "test/benchmark knob: reasoning-token cap of trajectory requests, 1..256 "
                                      "(default: the release's 256)",
-    "ALPAMAYO_CACHE": "cache directory for venv, Kafka jars, demo checkpoint and head (default ~/.cache/alpamayo-worker)",
+    "ALPAMAYO_CACHE": "cache directory for venv, Kafka jars and demo recipe builds (default ~/.cache/alpamayo-worker)",
 }
