@@ -41,7 +41,7 @@ __all__ = ["DEMO_VERSION", "HEAD_VERSION", "COMPLETE_MARKER", "MANIFEST", "cache
 log = logging.getLogger("alpamayo.engine")
 
 DEMO_VERSION = 2        # bump whenever anything that changes the demo checkpoint's weights changes
-HEAD_VERSION = 2        # bump whenever anything that changes the packaged head's weights changes
+HEAD_VERSION = 3        # bump whenever anything that changes the packaged head's weights changes
 COMPLETE_MARKER = "complete"
 MANIFEST = "MANIFEST.sha256"
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -99,44 +99,57 @@ def init_from_base(draft: DraftModel, base_model) -> None:
 
 
 def _batch_loss(draft: DraftModel, embed, lm_head, seqs: list[Sequence], anchors_per_seq: int,
-                rng: np.random.Generator, banned: torch.Tensor) -> torch.Tensor:
+                rng: np.random.Generator) -> torch.Tensor:
+    """The step's loss: per sequence, the weighted block cross-entropy of its anchors and half the
+    selector's cross-entropy, averaged over those terms. Every sequence of the step runs in one
+    forward (right-padded to the longest; each anchor sees only its own sequence's context
+    before it), so a step costs a few dozen kernels whatever the batch."""
     c = draft.config
     n = c.block_size
-    losses = []
-    for s in seqs:
-        dev = s.tokens.device
-        weights = torch.tensor([math.exp(-k / GAMMA) for k in range(n - 1)], device=dev)
-        L = len(s.tokens)
-        gen = L - s.start
-        if gen < 2:
-            continue
-        a = torch.tensor(rng.integers(s.start, L - 1, size=min(anchors_per_seq, gen - 1)), device=dev)
-        feats = draft.project({i: h[None] for i, h in s.hidden.items()})                 # (1, L, H)
-        ctx = draft.context_kv(feats, torch.arange(L, device=dev)[None] + s.rope_delta)
-        m = len(a)
-        ctx = [(k.expand(m, -1, -1, -1), v.expand(m, -1, -1, -1)) for k, v in ctx]
-        visible = torch.arange(L, device=dev)[None, :] < a[:, None]
-        block = torch.full((m, n), c.mask_token_id, dtype=torch.long, device=dev)
-        block[:, 0] = s.tokens[a]
-        pos = a[:, None] + torch.arange(n, device=dev) + s.rope_delta
-        h = draft.block_hidden(embed(block).float(), pos, ctx, visible)                   # (m, n, H)
-        tgt_idx = a[:, None] + 1 + torch.arange(n - 1, device=dev)                                   # (m, 7)
-        valid = tgt_idx < L
-        tgt = s.tokens[tgt_idx.clamp(max=L - 1)]
-        logits = lm_head(h[:, 1:]).float()                                                # (m, 7, V)
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none").view(m, -1)
-        w = weights[None, :] * valid
-        losses.append((ce * w).sum() / w.sum())
-        # selector: rescoring the draft's top-C, teacher-forced on the previous true token
-        cand_logits, cand = logits.detach().topk(c.num_candidates, dim=-1)               # (m, 7, C)
-        prev = torch.cat([block[:, :1], tgt[:, :-1]], dim=1)                               # (m, 7)
-        scores = draft.selector.scores(h[:, 1:], embed(prev).float(), embed(cand).float(), cand_logits)
-        hit = cand == tgt[..., None]
-        ok = hit.any(-1) & valid
-        if ok.any():
-            sel = F.cross_entropy(scores[ok], hit[ok].float().argmax(-1))
-            losses.append(0.5 * sel)
-    return torch.stack(losses).mean() if losses else torch.zeros((), requires_grad=True)
+    seqs = [s for s in seqs if len(s.tokens) - s.start >= 2]
+    if not seqs:
+        return torch.zeros((), requires_grad=True)
+    dev = seqs[0].tokens.device
+    lengths = [len(s.tokens) for s in seqs]
+    L = max(lengths)
+    anchors = [torch.tensor(rng.integers(s.start, len(s.tokens) - 1,
+                                         size=min(anchors_per_seq, len(s.tokens) - s.start - 1)), device=dev)
+               for s in seqs]
+    owner = torch.cat([torch.full((len(x),), i, device=dev) for i, x in enumerate(anchors)])     # (m,)
+    a = torch.cat(anchors)                                                                         # (m,)
+    tokens = torch.stack([F.pad(s.tokens, (0, L - len(s.tokens))) for s in seqs])                 # (B, L)
+    length = torch.tensor(lengths, device=dev)
+    hidden = {i: torch.stack([F.pad(s.hidden[i], (0, 0, 0, L - len(s.tokens))) for s in seqs])
+              for i in c.target_layer_ids}                                                         # (B, L, H)
+    delta = torch.tensor([s.rope_delta for s in seqs], device=dev)
+    ctx = draft.context_kv(draft.project(hidden), torch.arange(L, device=dev)[None] + delta[:, None])
+    ctx = [(k[owner], v[owner]) for k, v in ctx]                                                  # (m, Hkv, L, D)
+    visible = torch.arange(L, device=dev)[None, :] < a[:, None]
+    block = torch.full((len(a), n), c.mask_token_id, dtype=torch.long, device=dev)
+    block[:, 0] = tokens[owner, a]
+    pos = a[:, None] + torch.arange(n, device=dev) + delta[owner][:, None]
+    h = draft.block_hidden(embed(block).float(), pos, ctx, visible)                               # (m, n, H)
+    tgt_idx = a[:, None] + 1 + torch.arange(n - 1, device=dev)                                    # (m, 7)
+    valid = tgt_idx < length[owner][:, None]
+    tgt = tokens[owner[:, None], tgt_idx.clamp(max=L - 1)]
+    logits = lm_head(h[:, 1:]).float()                                                            # (m, 7, V)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none").view(len(a), -1)
+    w = torch.tensor([math.exp(-k / GAMMA) for k in range(n - 1)], device=dev)[None, :] * valid
+    per_seq = torch.zeros(len(seqs), device=dev).index_add(0, owner, (ce * w).sum(1)) / \
+        torch.zeros(len(seqs), device=dev).index_add(0, owner, w.sum(1))
+    losses = list(per_seq)
+    # selector: rescoring the draft's top-C, teacher-forced on the previous true token
+    cand_logits, cand = logits.detach().topk(c.num_candidates, dim=-1)                           # (m, 7, C)
+    prev = torch.cat([block[:, :1], tgt[:, :-1]], dim=1)                                           # (m, 7)
+    scores = draft.selector.scores(h[:, 1:], embed(prev).float(), embed(cand).float(), cand_logits)
+    hit = cand == tgt[..., None]
+    ok = hit.any(-1) & valid
+    sel = F.cross_entropy(scores[ok], hit[ok].float().argmax(-1), reduction="none")
+    row = owner[:, None].expand_as(ok)[ok]
+    counts = torch.zeros(len(seqs), device=dev).index_add(0, row, torch.ones_like(sel))
+    sums = torch.zeros(len(seqs), device=dev).index_add(0, row, sel)
+    losses += [0.5 * sums[i] / counts[i] for i in range(len(seqs)) if counts[i] > 0]
+    return torch.stack(losses).mean()
 
 
 def train_head(rt, train_requests, head_cfg: HeadConfig, steps: int = 400, lr: float = 5e-3, seed: int = 0,
@@ -153,7 +166,6 @@ def train_head(rt, train_requests, head_cfg: HeadConfig, steps: int = 400, lr: f
     draft.to(rt.device)
     embed = rt.model.language_model.embed_tokens
     lm_head = rt.model.lm_head
-    banned = rt._banned_traj.cpu()
     opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     done = 0
@@ -161,7 +173,7 @@ def train_head(rt, train_requests, head_cfg: HeadConfig, steps: int = 400, lr: f
     for step in range(steps):
         idx = rng.choice(len(seqs), size=min(batch, len(seqs)), replace=False)
         with reference_only():         # the fused GPU kernels have no backward
-            loss = _batch_loss(draft, embed, lm_head, [seqs[i] for i in idx], anchors_per_seq, rng, banned)
+            loss = _batch_loss(draft, embed, lm_head, [seqs[i] for i in idx], anchors_per_seq, rng)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
