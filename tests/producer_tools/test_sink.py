@@ -162,8 +162,8 @@ async def test_assignment_reads_the_range_index_not_the_lake(tmp_path, monkeypat
 
 async def test_writing_a_large_segment_leaves_the_event_loop_free(tmp_path):
     """Decoding and encoding 600 K=3 rows takes seconds of CPU: a coroutine ticking every 5 ms
-    (as aiokafka's heartbeat task does) is never held up for more than a fraction of that (on the
-    loop, it would wait for the whole segment)."""
+    (as aiokafka's heartbeat task does) is never held up for more than half of that (on the loop,
+    it would wait for the whole segment)."""
     recs = result_records(600, k=3)
     tp = topic_partition()
     sink = K.LakeSink(KAFKA, K.SinkOptions(lake=str(tmp_path), rotate_rows=10**6, rotate_seconds=1e9,
@@ -191,4 +191,6 @@ async def test_writing_a_large_segment_leaves_the_event_loop_free(tmp_path):
     assert lake_offsets(tmp_path) == list(range(600))
     print(f"segment written in {took:.2f}s; loop's longest gap {max(gaps) * 1000:.0f} ms over {len(gaps)} ticks")
     assert took > 0.5, "the segment is too small to show anything"
-    assert max(gaps) < min(0.5, took / 4)
+    # on the loop, one gap would span the whole write; off it, the longest gap is what a busy
+    # 2-core machine makes of the thread's GIL slices (85 ms idle, 540 ms once under a full suite)
+    assert max(gaps) < took / 2
