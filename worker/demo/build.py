@@ -337,18 +337,24 @@ def load_quality(directory: Path) -> dict:
 
 # ------------------------------------------------------------------ CLI
 
+def measure_heldout_bars(checkpoint: Path, head: Path, scenes: int) -> dict:
+    """`report.measure_bars` on the first `scenes` of the checkpoint's own held-out scenes."""
+    from worker.scenes import generate_scene
+
+    seeds = load_quality(checkpoint)["build"]["heldout_scene_seeds"][:scenes]
+    return report.measure_bars(checkpoint, head, [generate_scene(s, IMAGE_SIZE) for s in seeds])
+
+
 def ship(checkpoint: Path, head: Path, scenes: int = 64) -> Path:
     """Copy a built checkpoint and head into the repository (worker/demo/shipped), measure their
     bars on `scenes` of the checkpoint's held-out scenes (bars.json) and write the manifest."""
     from worker.demo_cache import shipped_dir, write_manifest
-    from worker.scenes import generate_scene
 
     out = shipped_dir()
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(checkpoint, out / "checkpoint")
     shutil.copytree(head, out / "head")
-    seeds = load_quality(out / "checkpoint")["build"]["heldout_scene_seeds"][:scenes]
-    bars = report.measure_bars(out / "checkpoint", out / "head", [generate_scene(s, IMAGE_SIZE) for s in seeds])
+    bars = measure_heldout_bars(out / "checkpoint", out / "head", scenes)
     (out / "bars.json").write_text(json.dumps(bars, indent=1) + "\n")
     write_manifest(out)
     return out
@@ -388,10 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         ckpt = demo_checkpoint()
         if args.measure:
-            from worker.scenes import generate_scene
-
-            seeds = load_quality(ckpt)["build"]["heldout_scene_seeds"][:args.measure]
-            bars = report.measure_bars(ckpt, shipped_dir() / "head", [generate_scene(s, IMAGE_SIZE) for s in seeds])
+            bars = measure_heldout_bars(ckpt, shipped_dir() / "head", args.measure)
         else:
             bars = json.loads((shipped_dir() / "bars.json").read_text())
         print(json.dumps({**bars, "met": report.bars_met(bars)}))
