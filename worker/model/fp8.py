@@ -35,7 +35,7 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, in) weight -> (its e4m3 values (out, in), fp32 scale per output channel (out,))."""
     w = weight.detach().float()
     scale = (w.abs().amax(dim=1) / E4M3_MAX).clamp(min=1e-12)
-    return (w / scale[:, None]).to(torch.float8_e4m3fn), scale
+    return (w / scale[:, None]).to(torch.float8_e4m3fn).contiguous(), scale
 
 
 class Fp8Linear(nn.Module):

@@ -1,0 +1,51 @@
+"""Weight layout of the fused GPU stack (worker/model/layers.py): o and down projections are
+stored (in, out) row-major where the fused path runs, so cuBLAS runs its faster NN product; the
+module computes the same function and the CPU reference path and training keep (out, in)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+from worker.model.layers import FusedStack, store_transposed
+
+
+def _linear(requires_grad: bool) -> nn.Linear:
+    torch.manual_seed(0)
+    m = nn.Linear(48, 80, bias=False)
+    m.weight.requires_grad_(requires_grad)
+    return m
+
+
+def test_inference_weight_stored_transposed_where_fused_path_runs(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    m = _linear(False)
+    x = torch.randn(3, 48)
+    before = m(x)
+    store_transposed(m)
+    assert m.weight.shape == (80, 48)
+    assert m.weight.stride() == (1, 80)            # (in, out) row-major under an (out, in) view
+    torch.testing.assert_close(m(x), before)
+
+
+@pytest.mark.parametrize("interpret, requires_grad", [("0", False), ("1", True)])
+def test_layout_kept_off_fused_path_and_for_training(monkeypatch, interpret, requires_grad):
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    m = _linear(requires_grad)
+    store_transposed(m)
+    assert m.weight.stride() == (48, 1)
+
+
+def test_fused_stack_stores_o_and_down_transposed(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    conf = Qwen3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, num_hidden_layers=2, vocab_size=32)
+    layers = [Qwen3DecoderLayer(conf, i).eval().requires_grad_(False) for i in range(2)]
+    FusedStack(layers, head_dim=16)
+    for layer in layers:
+        assert layer.self_attn.o_proj.weight.stride() == (1, 64)
+        assert layer.mlp.down_proj.weight.stride() == (1, 64)
+        assert layer.mlp.gate_proj.weight.stride() == (64, 1)       # gate/up keep (out, in)
