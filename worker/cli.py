@@ -222,7 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return cmd_serve(args)
         if args.command == "run-scene":
-            return cmd_run_scene(args)
+            try:
+                return cmd_run_scene(args)
+            except Refusal as exc:          # as serve: one line saying what to change
+                print(f"alpamayo-worker: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                      file=sys.stderr, flush=True)
+                return 2
         if args.command == "check-head":
             return cmd_check_head(args)
     except SystemExit as exc:

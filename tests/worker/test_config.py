@@ -188,6 +188,24 @@ def test_run_scene_cli_runs_one_scene_end_to_end(tiny, tmp_path):
     assert q.returncode == 0 and "answer:" in q.stdout and "trajectory 0" not in q.stdout, q.stdout + q.stderr
 
 
+def test_run_scene_refuses_a_bad_checkpoint_in_one_line(tiny, tmp_path):
+    """A startup refusal from loading (here no weight shard; on a GPU a memory fraction too small
+    for one scene) ends run-scene with one line and exit code 2, not a traceback."""
+    import shutil
+
+    from worker.scenes import generate_scene, write_scene
+
+    ckpt = shutil.copytree(tiny[0], tmp_path / "ckpt")
+    for shard in ckpt.glob("*.safetensors"):
+        shard.unlink()
+    path = write_scene(generate_scene(3), tmp_path / "scene.msgpack")
+    p = _cli(["run-scene", str(path)], {"NIM_FT_CHECKPOINT": str(ckpt), "ALPAMAYO_DEVICE": "cpu",
+                                        "ALPAMAYO_LOG_LEVEL": "WARNING"})
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("alpamayo-worker: ") and str(ckpt) in lines[0], p.stderr
+
+
 @pytest.mark.parametrize("value", ["0", "1.5", "-0.1", "ninety", "nan"])
 def test_bad_gpu_memory_fraction(value):
     refused({"ALPAMAYO_GPU_MEMORY_FRACTION": value}, "ALPAMAYO_GPU_MEMORY_FRACTION", "(0, 1]")
