@@ -2,7 +2,8 @@
 
 Layout (docs/alpamayo2-model.md section 1.1): config.json, tokenizer.json, tokenizer_config.json,
 preprocessor_config.json, one or more *.safetensors shards and model.safetensors.index.json
-when there is more than one shard. No pickle anywhere: weights are read with safetensors only.
+when there is more than one shard. No pickle anywhere: weights are safetensors shards, read
+tensor by tensor with plain file reads (`copy_shard`).
 """
 
 from __future__ import annotations
@@ -226,16 +227,15 @@ def dummy_model(cfg: AlpamayoConfig, device, dtype: torch.dtype, seed: int = 0):
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16,
                precision: str = "bf16", load_format: str = "auto"):
-    """Check, then build the model on `device` in `dtype` (`build_empty`) and copy the shards in
-    one at a time, so each byte of the checkpoint is read once and host memory holds one shard
-    (the next shard is read ahead by the kernel meanwhile).
+    """Check, then build the model on `device` in `dtype` (`build_empty`) and read the shards
+    into it one at a time (`copy_shard`): each byte of the checkpoint is read once, and host
+    memory holds two 64 MiB staging buffers besides the weights on a CPU (the next shard is read
+    ahead by the kernel meanwhile).
     A ModelOpt FP8 export loads into fp8 layers directly; on the fp8 profile every decoder
     linear the checkpoint holds in bf16 is quantised at load (worker/model/fp8.py).
 
     Returns (model, cfg). Loading never unpickles: safetensors only.
     """
-    from safetensors.torch import load_file
-
     path = Path(path)
     cfg, tensors, fp8 = check_checkpoint(path, precision, load_format)
     if load_format == "dummy":
@@ -246,19 +246,97 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         shards = sorted({t.shard for t in tensors.values()})
         total = sum((path / s).stat().st_size for s in shards)
         done, t0 = 0, time.perf_counter()
+        staging = Staging(torch.device(device))
         for i, shard in enumerate(shards):
             if i + 1 < len(shards):
                 _read_ahead(path / shards[i + 1])    # the kernel reads the next shard while this one is copied
-            part = load_file(str(path / shard), device=str(device))
-            for name, value in part.items():
-                target = params[name]
-                target.copy_(value.reshape(()) if value.numel() == 1 else value.reshape(target.shape))
-            del part
+            copy_shard(path / shard, params, staging)
             done += (path / shard).stat().st_size
             _progress(path, i, len(shards), shard, done, total, time.perf_counter() - t0)
     if precision == "fp8":
         quantize_model_fp8(model)               # the decoder linears the checkpoint holds in bf16
     return model, cfg
+
+
+STAGING_BYTES = 64 << 20
+
+
+class Staging:
+    """Two host buffers that carry a shard's bytes to the device in turn (pinned for a GPU, so a
+    copy runs while the next chunk is read); a buffer is reused once its last copy is done."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.buffers = [torch.empty(0, dtype=torch.uint8) for _ in range(2)]
+        self.events = [None, None]
+        self.turn = 0
+
+    def next(self, nbytes: int) -> torch.Tensor:
+        i = self.turn = 1 - self.turn
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        if self.buffers[i].numel() < nbytes:
+            self.buffers[i] = torch.empty(max(nbytes, STAGING_BYTES), dtype=torch.uint8, pin_memory=self.cuda)
+        return self.buffers[i][:nbytes]
+
+    def sent(self) -> None:
+        """The copy out of the buffer last returned by `next` has been queued."""
+        if self.cuda:
+            self.events[self.turn] = torch.cuda.Event()
+            self.events[self.turn].record()
+
+    def drain(self) -> None:
+        for e in self.events:
+            if e is not None:
+                e.synchronize()
+
+
+def _read_exactly(f, out: torch.Tensor, file: Path) -> None:
+    """Fill the uint8 CPU tensor `out` from the file's current position."""
+    view = memoryview(out.numpy()).cast("B")
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise CheckpointError(f"checkpoint shard {file} ended early (truncated while loading?)")
+        got += n
+
+
+def copy_shard(file: Path, params: dict[str, torch.Tensor], staging: Staging) -> None:
+    """Read every tensor of one safetensors shard into its parameter `params[name]` (any device
+    and float dtype; the conversion runs where the parameter is). Plain file reads, no memory
+    map: a CPU parameter of the file's dtype is read into directly, anything else goes through
+    `staging` in chunks, so the process never holds a shard (safetensors' `load_file` maps the
+    whole shard and materialises every tensor on the host first)."""
+    with open(file, "rb", buffering=0) as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        entries = sorted(((k, v) for k, v in header.items() if k != "__metadata__"),
+                         key=lambda e: e[1]["data_offsets"][0])
+        for name, meta in entries:
+            start, stop = meta["data_offsets"]
+            src = _DTYPES[meta["dtype"]]
+            target = params[name]
+            f.seek(8 + n + start)
+            if not target.is_contiguous() or target.numel() * src.itemsize != stop - start:
+                # a per-tensor scale broadcast over its channels, or a view: read whole, then copy
+                tmp = torch.empty(stop - start, dtype=torch.uint8)
+                _read_exactly(f, tmp, file)
+                value = tmp.view(src)
+                target.copy_(value.reshape(()) if value.numel() == 1 else value.reshape(target.shape))
+                continue
+            dst = target.view(-1)
+            if dst.device.type == "cpu" and dst.dtype == src:
+                _read_exactly(f, dst.view(torch.uint8), file)
+                continue
+            per = max(1, STAGING_BYTES // src.itemsize)
+            for e0 in range(0, dst.numel(), per):
+                e1 = min(dst.numel(), e0 + per)
+                buf = staging.next((e1 - e0) * src.itemsize)
+                _read_exactly(f, buf, file)
+                dst[e0:e1].copy_(buf.view(src), non_blocking=True)
+                staging.sent()
+    staging.drain()
 
 
 def _read_ahead(file: Path) -> None:

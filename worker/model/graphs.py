@@ -26,7 +26,12 @@ class GraphCache:
         return len(self._graphs)
 
     def clear(self) -> None:
+        """Drop every graph (e.g. after swapping weights). Later captures use a new memory pool:
+        capturing into a pool whose graphs were all freed trips an internal assert of torch's
+        caching allocator (seen on torch 2.11 when the fp8 profile re-captured after bf16)."""
         self._graphs.clear()
+        if self.enabled:
+            self._pool = torch.cuda.graph_pool_handle()
 
     def run(self, key, fn: Callable[..., Any], *inputs: torch.Tensor) -> Any:
         """fn(*inputs) with every input a tensor; fn must only read/write tensors whose storage
