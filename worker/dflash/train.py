@@ -215,7 +215,7 @@ def demo_requests(seeds, k: int = 1, temperature: float = 0.0):
 # head recipes: the CPU one builds in about two minutes where no shipped head exists; the GPU one
 # made the shipped head (docs/demo-model.md)
 HEAD_RECIPES = {"cpu": dict(train_scenes=64, steps=400, batch=4, time_budget_s=120.0),
-                "gpu": dict(train_scenes=256, steps=3000, batch=16, time_budget_s=60.0)}
+                "gpu": dict(train_scenes=768, steps=4000, batch=32, time_budget_s=420.0)}
 
 
 def build_demo_head(checkpoint: str | Path, cache_root: str | Path | None = None, seed: int = 0,
