@@ -106,6 +106,21 @@ def test_the_shipped_weights_are_the_gpu_recipe_run_to_its_end(quality):
     assert b["heldout_scene_seeds"] == build.heldout_seeds(0, recipe) and len(b["heldout_scene_seeds"]) >= 64
 
 
+def test_the_shipped_head_is_the_gpu_head_recipe_run_to_its_end(ckpt):
+    """The shipped head is what `python -m worker.dflash.train --recipe gpu --device cuda` makes
+    for the shipped checkpoint: every step of the recipe ran (its time budget did not cut it)."""
+    import json
+
+    from worker.demo_cache import demo_head
+    from worker.dflash.train import HEAD_RECIPES
+
+    meta = json.loads((demo_head(ckpt) / "alpamayo_dflash_metadata.json").read_text())
+    training, recipe = meta["training"], HEAD_RECIPES["gpu"]
+    assert training["recipe"] == "gpu" and training["device"].startswith("cuda") and training["seed"] == 0
+    assert training["steps"] == recipe["steps"]
+    assert training["sequences"] == recipe["train_scenes"] * 3 // 2     # half greedy K=1, half K=2 at T=0.6
+
+
 # ---------------------------------------------------------------- the real inference path
 
 def test_heldout_scene_reasoning_names_the_light(quality, runtime):
