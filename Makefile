@@ -67,7 +67,7 @@ test: venv kafka-jars
 	exit $$rc
 
 demo: venv kafka-jars
-	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" "$(VPY)" -m producer_tools.demo
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" "$(VPY)" -m producer_tools.demo $(DEMO_ARGS)
 
 kafka-start: kafka-jars
 	@"$(PYTHON)" -m deploy.local.cluster start $(KAFKA_ARGS)

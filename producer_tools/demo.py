@@ -2,7 +2,8 @@
 
 1. start a local Apache Kafka (deploy/local), 2. build or reuse the demo checkpoint and its
 DFlash2 head, 3. create this run's topics, 4. start the worker (`python -m worker serve`) on the
-bf16-dflash2 profile with K = 1,2,3 and wait until it is ready, 5. publish synthetic scenes of
+bf16-dflash2 profile (`--profile`, `make demo DEMO_ARGS="--profile fp8-dflash2"`) with K = 1,2,3
+and wait until it is ready, 5. publish synthetic scenes of
 every task and several K (plus two invalid requests, to show dead letters), 6. wait for one
 result or dead letter per request, 7. print a summary per task and write a PNG of trajectories.
 Exits non-zero if any request is unanswered.
@@ -31,6 +32,7 @@ from producer_tools.common import client_kwargs, kafka_options, new_run_id
 from producer_tools.publish import run_request
 from producer_tools.scene_sources import iter_synthetic
 from producer_tools.topics import create_topics, plan_topics
+from worker.config import PROFILES
 from worker.demo_cache import demo_checkpoint, demo_head
 from worker.scenes import bev_plot, generate_scene
 from worker.process import spawn_worker, wait_ready
@@ -133,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="demo-out")
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--keep-kafka", action="store_true", help="leave the local broker running")
+    ap.add_argument("--profile", choices=PROFILES, default="bf16-dflash2", help="NIM_MODEL_PROFILE of the worker")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
 
@@ -150,13 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     asyncio.run(create_topics(opts, plan_topics(opts, partitions=3)))
     print(f"== 3. topics {opts.request_topic}, {opts.result_topic}, {opts.dead_letter_topic}", flush=True)
     port = _free_port()
-    env = {"NIM_MODEL_PROFILE": "bf16-dflash2", "NIM_ALPAMAYO_TRAJ_SAMPLES": "1,2,3",
+    env = {"NIM_MODEL_PROFILE": args.profile, "NIM_ALPAMAYO_TRAJ_SAMPLES": "1,2,3",
            "ALPAMAYO_KAFKA_BOOTSTRAP_SERVERS": bootstrap, "ALPAMAYO_REQUEST_TOPIC": opts.request_topic,
            "ALPAMAYO_RESULT_TOPIC": opts.result_topic, "ALPAMAYO_DEAD_LETTER_TOPIC": opts.dead_letter_topic,
            "ALPAMAYO_GROUP_ID": f"{run_id}-workers", "ALPAMAYO_HTTP_PORT": str(port), "ALPAMAYO_HTTP_HOST": "127.0.0.1"}
     for var in ("NIM_PRECISION", "NIM_FT_CHECKPOINT", "NIM_ALPAMAYO_SPECULATIVE_MODEL"):
         os.environ.pop(var, None)
-    print("== 4. worker (bf16-dflash2, K=1,2,3): loading and warming up", flush=True)
+    print(f"== 4. worker ({args.profile}, K=1,2,3): loading and warming up", flush=True)
     proc = spawn_worker(env)
     code = 1
     try:
@@ -175,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "summary.md").write_text(table + "\n")
-        _plot(items, results, out / "trajectories.png")
+        _plot(items, results, out / "trajectories.png", args.profile)
         print(f"== 7. wrote {out / 'summary.md'} and {out / 'trajectories.png'}")
         if missing:
             print(f"UNANSWERED: {len(missing)} request(s): {sorted(missing)[:5]}", file=sys.stderr)
@@ -195,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _plot(items, results, path: Path) -> None:
+def _plot(items, results, path: Path, profile: str) -> None:
     scenes, preds = [], []
     for r, _ in results.values():
         if r.task == "trajectory" and r.pred_trajectories and len(scenes) < 6:
@@ -204,7 +207,7 @@ def _plot(items, results, path: Path) -> None:
             preds.append(np.asarray(r.pred_trajectories, dtype=np.float32))
     if scenes:
         k = sorted({len(p) for p in preds})
-        bev_plot(scenes, preds, path, title=f"make demo: bf16-dflash2 (demo checkpoint), K={','.join(map(str, k))}")
+        bev_plot(scenes, preds, path, title=f"make demo: {profile} (demo checkpoint), K={','.join(map(str, k))}")
 
 
 if __name__ == "__main__":
