@@ -21,6 +21,7 @@ _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _M2 = 0x94D049BB133111EB - (1 << 64)
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 _MASK24 = (1 << 24) - 1
+_U_MAX = 1.0 - 2.0 ** -24    # the largest float32 below 1
 
 
 def _srl(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -37,10 +38,13 @@ def splitmix64(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform(key: torch.Tensor, position: torch.Tensor, n: int, stream: int = 0) -> torch.Tensor:
-    """Uniform (0, 1) noise. key (B,) int64, position (B, T) int64 -> (B, T, n) float32."""
+    """Uniform (0, 1) noise. key (B,) int64, position (B, T) int64 -> (B, T, n) float32.
+
+    Open at 1: the top 24-bit value plus 1/2 rounds to 1.0 in float32 (one draw in 2**24), and
+    1.0 would make the exponential race's -log(u) zero, so it is clamped to the float below 1."""
     base = splitmix64(splitmix64(key[:, None] * 4 + stream) + position)            # (B, T)
     z = splitmix64(base[..., None] + torch.arange(n, device=key.device, dtype=torch.long))
-    return ((_srl(z, 40) & _MASK24).float() + 0.5) * (1.0 / (1 << 24))
+    return (((_srl(z, 40) & _MASK24).float() + 0.5) * (1.0 / (1 << 24))).clamp(max=_U_MAX)
 
 
 def normal(key: torch.Tensor, shape: tuple[int, ...], stream: int = 1) -> torch.Tensor:
