@@ -160,7 +160,7 @@ def cmd_check_head(args) -> int:
         cfg, _ = validate_layout(ckpt)
         hc = check_head(args.dir, cfg)
     except Refusal as exc:         # a refused checkpoint or head
-        print(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        print(exc.line())
         return 1
     print(f"ok: {args.dir} is a DFlash2 head for {ckpt} (block size {hc.block_size}, "
           f"target layers {list(hc.target_layer_ids)})")
@@ -225,8 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 return cmd_run_scene(args)
             except Refusal as exc:          # as serve: one line saying what to change
-                print(f"alpamayo-worker: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-                      file=sys.stderr, flush=True)
+                print(f"alpamayo-worker: {exc.line()}", file=sys.stderr, flush=True)
                 return 2
         if args.command == "check-head":
             return cmd_check_head(args)

@@ -13,3 +13,7 @@ __all__ = ["Refusal"]
 
 class Refusal(Exception):
     """A startup refusal; its message says, in one line, what is wrong and what to change."""
+
+    def line(self) -> str:
+        """The message's first line (what a command prints when it refuses)."""
+        return str(self).splitlines()[0] if str(self) else type(self).__name__

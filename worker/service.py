@@ -199,7 +199,7 @@ class WorkerService:
         if exc is not None:
             self.state.set_ready(False, "failed")
             if isinstance(exc, Refusal):      # one line, as for configuration errors
-                print(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, file=sys.stderr, flush=True)
+                print(exc.line(), file=sys.stderr, flush=True)
                 return EXIT_REFUSED
             log.error("engine failed to load: %s: %s", type(exc).__name__, exc, exc_info=exc)
             return EXIT_FAILED

@@ -38,6 +38,8 @@ class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
     shard: str
+    start: int                     # file offset of the first data byte
+    nbytes: int
 
 
 def read_safetensors_header(path: Path, label: str) -> dict[str, TensorInfo]:
@@ -64,7 +66,7 @@ def read_safetensors_header(path: Path, label: str) -> dict[str, TensorInfo]:
             continue
         try:
             start, stop = meta["data_offsets"]
-            out[name] = TensorInfo(meta["dtype"], tuple(meta["shape"]), path.name)
+            out[name] = TensorInfo(meta["dtype"], tuple(meta["shape"]), path.name, 8 + n + start, stop - start)
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{label} has a damaged shard {path.name}: bad entry for {name}") from None
         end = max(end, stop)
@@ -250,7 +252,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
         for i, shard in enumerate(shards):
             if i + 1 < len(shards):
                 _read_ahead(path / shards[i + 1])    # the kernel reads the next shard while this one is copied
-            copy_shard(path / shard, params, staging)
+            copy_shard(path / shard, {k: t for k, t in tensors.items() if t.shard == shard}, params, staging)
             done += (path / shard).stat().st_size
             _progress(path, i, len(shards), shard, done, total, time.perf_counter() - t0)
     if precision == "fp8":
@@ -302,25 +304,22 @@ def _read_exactly(f, out: torch.Tensor, file: Path) -> None:
         got += n
 
 
-def copy_shard(file: Path, params: dict[str, torch.Tensor], staging: Staging) -> None:
-    """Read every tensor of one safetensors shard into its parameter `params[name]` (any device
-    and float dtype; the conversion runs where the parameter is). Plain file reads, no memory
-    map: a CPU parameter of the file's dtype is read into directly, anything else goes through
-    `staging` in chunks, so the process never holds a shard (safetensors' `load_file` maps the
-    whole shard and materialises every tensor on the host first)."""
+def copy_shard(file: Path, tensors: dict[str, TensorInfo], params: dict[str, torch.Tensor],
+               staging: Staging) -> None:
+    """Read the tensors of one safetensors shard (`tensors`: name -> its checked header entry)
+    into their parameters `params[name]` (any device and float dtype; the conversion runs where
+    the parameter is). Plain file reads, no memory map: a CPU parameter of the file's dtype is
+    read into directly, anything else goes through `staging` in chunks, so the process never
+    holds a shard (safetensors' `load_file` maps the whole shard and materialises every tensor
+    on the host first)."""
     with open(file, "rb", buffering=0) as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        entries = sorted(((k, v) for k, v in header.items() if k != "__metadata__"),
-                         key=lambda e: e[1]["data_offsets"][0])
-        for name, meta in entries:
-            start, stop = meta["data_offsets"]
-            src = _DTYPES[meta["dtype"]]
+        for name, info in sorted(tensors.items(), key=lambda e: e[1].start):
+            src = _DTYPES[info.dtype]
             target = params[name]
-            f.seek(8 + n + start)
-            if not target.is_contiguous() or target.numel() * src.itemsize != stop - start:
+            f.seek(info.start)
+            if not target.is_contiguous() or target.numel() * src.itemsize != info.nbytes:
                 # a per-tensor scale broadcast over its channels, or a view: read whole, then copy
-                tmp = torch.empty(stop - start, dtype=torch.uint8)
+                tmp = torch.empty(info.nbytes, dtype=torch.uint8)
                 _read_exactly(f, tmp, file)
                 value = tmp.view(src)
                 target.copy_(value.reshape(()) if value.numel() == 1 else value.reshape(target.shape))

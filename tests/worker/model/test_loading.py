@@ -235,7 +235,7 @@ import resource, sys, time
 from pathlib import Path
 import torch
 from safetensors.torch import save_file
-from worker.model.checkpoint import Staging, copy_shard
+from worker.model.checkpoint import Staging, copy_shard, read_safetensors_header
 
 d = Path(sys.argv[1])
 src = {"a": torch.ones(48 << 20, dtype=torch.bfloat16), "b": torch.full((16 << 20,), 2.0)}   # 96 MB + 64 MB
@@ -243,7 +243,8 @@ save_file(src, str(d / "s.safetensors"))
 del src
 params = {"a": torch.zeros(48 << 20, dtype=torch.bfloat16), "b": torch.zeros(16 << 20, dtype=torch.bfloat16)}
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-copy_shard(d / "s.safetensors", params, Staging(torch.device("cpu")))
+tensors = read_safetensors_header(d / "s.safetensors", "probe")
+copy_shard(d / "s.safetensors", tensors, params, Staging(torch.device("cpu")))
 grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
 assert bool((params["a"] == 1).all()) and bool((params["b"] == 2).all())
 print(grew)
