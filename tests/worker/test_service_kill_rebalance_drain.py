@@ -18,7 +18,6 @@ from __future__ import annotations
 import ast
 import asyncio
 import json
-import random
 import re
 import signal
 import time
@@ -56,10 +55,12 @@ def engine_done(w: Proc) -> set[str]:
     return done
 
 
-async def kill_in_an_open_transaction(w: Proc, bootstrap, topics, timeout=60.0) -> int:
-    """SIGSTOP the worker, and SIGKILL it when an output topic holds records of an open transaction
-    (high watermark past the last stable offset), else SIGCONT and try again a moment later.
-    Returns the number of tries."""
+async def kill_in_an_open_transaction(w: Proc, bootstrap, topics, timeout=60.0, settle=0.3) -> int:
+    """SIGKILL the worker while one of its transactions is open. Watches the output topics until one
+    holds records of an open transaction (high watermark past the last stable offset), SIGSTOPs the
+    worker at once and reads the offsets again `settle` seconds later: still open, the worker is
+    killed; else (the commit was already on its way to the coordinator, whose markers then land a
+    moment after the stop) SIGCONT and watch on. Returns the number of stops."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
     tps = [TopicPartition(t, 0) for t in topics]
@@ -67,19 +68,25 @@ async def kill_in_an_open_transaction(w: Proc, bootstrap, topics, timeout=60.0) 
                for iso in ("read_uncommitted", "read_committed")]
     for r in readers:
         await r.start()
+
+    async def open_txn() -> bool:
+        high, stable = [await r.end_offsets(tps) for r in readers]
+        return any(high[tp] > stable[tp] for tp in tps)
+
     try:
         deadline = time.monotonic() + timeout
-        tries = 0
+        stops = 0
         while time.monotonic() < deadline:
-            tries += 1
+            if not await open_txn():
+                continue
+            stops += 1
             w.signal(signal.SIGSTOP)
-            high, stable = [await r.end_offsets(tps) for r in readers]
-            if any(high[tp] > stable[tp] for tp in tps):
+            await asyncio.sleep(settle)
+            if await open_txn():
                 w.signal(signal.SIGKILL)
-                return tries
+                return stops
             w.signal(signal.SIGCONT)
-            await asyncio.sleep(random.uniform(0.0, 0.03))
-        raise AssertionError(f"no open transaction caught in {tries} tries")
+        raise AssertionError(f"no open transaction caught in {stops} stops")
     finally:
         for r in readers:
             await r.stop()
@@ -129,7 +136,7 @@ async def test_sigkill_mid_run_and_restart_answers_everything(
             await asyncio.sleep(0.1)
         if guarantee == "exactly_once":
             tries = await kill_in_an_open_transaction(first, kafka_bootstrap, [res_t, dl_t])
-            print(f"killed in an open transaction after {tries} SIGSTOP probes")
+            print(f"killed in an open transaction after {tries} SIGSTOPs")
         else:
             first.signal(signal.SIGKILL)
         assert await first.wait_exit(30) == -signal.SIGKILL
