@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import os
 import signal
-import socket
 import statistics
 import sys
 import time
@@ -24,11 +23,11 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-import schemas as S
 from deploy.local.cluster import LocalKafka
-from producer_tools.common import client_kwargs, kafka_options, new_run_id
+from deploy.local.host import free_ports
+from producer_tools.answers import collect_answers, send_requests
+from producer_tools.common import kafka_options, new_run_id
 from producer_tools.publish import run_request
 from producer_tools.scene_sources import iter_synthetic
 from producer_tools.topics import create_topics, plan_topics
@@ -38,12 +37,6 @@ from worker.scenes import bev_plot, generate_scene
 from worker.process import spawn_worker, wait_ready
 
 N_SCENES = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _requests(run_id: str, n: int):
@@ -63,41 +56,10 @@ def _requests(run_id: str, n: int):
 
 
 async def _publish_and_collect(opts, reqs, timeout_s: float):
-    kw = client_kwargs(opts)
-    results, dead = {}, {}
-    consumer = AIOKafkaConsumer(opts.result_topic, opts.dead_letter_topic, group_id=None,
-                                auto_offset_reset="earliest", isolation_level="read_committed", **kw)
-    await consumer.start()
-    producer = AIOKafkaProducer(acks="all", enable_idempotence=True, **kw)
-    await producer.start()
-    sent_at = {}
-    try:
-        for req in reqs:
-            value, headers = S.encode_request(req)
-            sent_at[req.request_id] = time.time()
-            await producer.send_and_wait(opts.request_topic, value, key=req.request_id.encode(), headers=headers)
-        print(f"published {len(reqs)} requests to {opts.request_topic}", flush=True)
-        want = set(sent_at)
-        deadline = time.monotonic() + timeout_s
-        last = 0
-        while want - results.keys() - dead.keys() and time.monotonic() < deadline:
-            batch = await consumer.getmany(timeout_ms=1000)
-            for tp, records in batch.items():
-                for rec in records:
-                    if tp.topic == opts.result_topic:
-                        r = S.decode_result(rec.value, list(rec.headers or ()))
-                        results[r.request_id] = (r, time.time() - sent_at.get(r.request_id, time.time()))
-                    else:
-                        d = S.decode_dead_letter(rec.value, list(rec.headers or ()))
-                        dead[d.request_id] = d
-            done = len(results) + len(dead)
-            if done != last:
-                print(f"  answered {done}/{len(want)}", flush=True)
-                last = done
-    finally:
-        await producer.stop()
-        await consumer.stop()
-    return results, dead, set(sent_at) - results.keys() - dead.keys()
+    sent_at = await send_requests(opts, reqs)
+    print(f"published {len(reqs)} requests to {opts.request_topic}", flush=True)
+    results, dead, missing = await collect_answers(opts, set(sent_at), timeout_s)
+    return {i: (r, at - sent_at[i]) for i, (r, at) in results.items()}, dead, missing
 
 
 def _summary(results: dict, dead: dict) -> str:
@@ -152,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                          result_topic=f"{run_id}.results", dead_letter_topic=f"{run_id}.dead-letters")
     asyncio.run(create_topics(opts, plan_topics(opts, partitions=3)))
     print(f"== 3. topics {opts.request_topic}, {opts.result_topic}, {opts.dead_letter_topic}", flush=True)
-    port = _free_port()
+    port = free_ports(1)[0]
     env = {"NIM_MODEL_PROFILE": args.profile, "NIM_ALPAMAYO_TRAJ_SAMPLES": "1,2,3",
            "ALPAMAYO_KAFKA_BOOTSTRAP_SERVERS": bootstrap, "ALPAMAYO_REQUEST_TOPIC": opts.request_topic,
            "ALPAMAYO_RESULT_TOPIC": opts.result_topic, "ALPAMAYO_DEAD_LETTER_TOPIC": opts.dead_letter_topic,

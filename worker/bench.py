@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import platform
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -92,20 +94,40 @@ def floors(t: Table, dev: torch.device) -> tuple[float, float]:
     return bw, 2 * 8192 ** 3 / s
 
 
-def build_model(shape: str, dev: torch.device, dtype: torch.dtype):
-    """A random-weight Alpamayo2 of `shape` in memory, with a tokenizer and config (no files)."""
+def shape_config(shape: str, layers: int | None = None) -> tuple[Any, dict]:
+    """(tokenizer, config.json dict) of a model of `shape` (the 32B shape with the real vocabulary)
+    with `layers` text and expert layers (default: the shape's)."""
     from worker.demo.layout import DEFAULT_CORPUS, build_tokenizer, make_config
-    from worker.model.checkpoint import default_dtype
-    from worker.model.config import AlpamayoConfig
-    from worker.model.modules import Alpamayo2
 
     tok = build_tokenizer([DEFAULT_CORPUS], vocab_size=400)
-    dims = Dims(**SHAPES[shape])
+    dims = Dims(**{**SHAPES[shape], **({"layers": layers} if layers is not None else {})})
     config = make_config(tok, dims, dtype="bfloat16")
     if shape == "32b":
         for c in (config["vlm_config"]["text_config"], config["expert_config"]["llm_config"]):
             c["vocab_size"] = REAL_VOCAB
             c["rope_parameters"]["mrope_section"] = [24, 20, 20]
+    return tok, config
+
+
+def write_config_only(shape: str, directory: str) -> Path:
+    """A config-only checkpoint directory of `shape` (config, tokenizer, templates; no weights),
+    which `ALPAMAYO_LOAD_FORMAT=dummy` serves with random weights (vLLM's --load-format dummy)."""
+    from worker.demo.layout import write_support_files
+
+    tok, config = shape_config(shape)
+    d = Path(directory)
+    write_support_files(d, tok, config)
+    (d / "config.json").write_text(json.dumps(config, indent=2))
+    return d
+
+
+def build_model(shape: str, dev: torch.device, dtype: torch.dtype):
+    """A random-weight Alpamayo2 of `shape` in memory, with a tokenizer and config (no files)."""
+    from worker.model.checkpoint import default_dtype
+    from worker.model.config import AlpamayoConfig
+    from worker.model.modules import Alpamayo2
+
+    tok, config = shape_config(shape)
     cfg = AlpamayoConfig.from_dict(config)
     torch.manual_seed(0)
     with default_dtype(dtype), torch.device(dev):
@@ -520,7 +542,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="--throughput: batches 1,16; K=3 at batch 1 only")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="only profile the decode/verify/draft/expert kernels; write DIR/profile.txt")
+    ap.add_argument("--config-only", default=None, metavar="DIR",
+                    help="write a config-only directory of --shape (ALPAMAYO_LOAD_FORMAT=dummy serves it) and exit")
     args = ap.parse_args(argv)
+    if args.config_only:
+        print(write_config_only(args.shape, args.config_only))
+        return 0
     if args.throughput:
         from worker import bench_throughput     # it imports this module's helpers
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from worker.bench import REAL_VOCAB, SHAPES
-from worker.demo.layout import DEFAULT_CORPUS, Dims, build_tokenizer, make_config, write_support_files
+from worker.bench import SHAPES, shape_config
+from worker.demo.layout import Dims, write_support_files
 from worker.model.checkpoint import INDEX_FILE, expected_shapes
 from worker.model.config import AlpamayoConfig
 from worker.model.memory_plan import GIB, GPUS, ModelBytes, longest_rows_for, scenes_that_fit
@@ -38,20 +38,6 @@ PROFILES = ("bf16", "bf16-dflash2", "fp8", "fp8-dflash2")
 # columns per row: the default (NIM_ALPAMAYO_MAX_MODEL_LEN unset), and NIM_ALPAMAYO_MAX_MODEL_LEN=4992, which holds
 # a 24-frame 1920x1080 trajectory scene: 24 x (180 image + 2) + ~150 text and history + 256 reasoning + 64 action
 CAPACITIES = (8192, 4992)
-
-
-def shape_config(shape: str, layers: int | None = None):
-    """(tokenizer, config.json dict) of `shape` with `layers` text and expert layers (default all)."""
-    tok = build_tokenizer([DEFAULT_CORPUS], vocab_size=400)
-    dims = Dims(**SHAPES[shape])
-    if layers is not None:
-        dims = Dims(**{**SHAPES[shape], "layers": layers})
-    config = make_config(tok, dims, dtype="bfloat16")
-    if shape == "32b":
-        for c in (config["vlm_config"]["text_config"], config["expert_config"]["llm_config"]):
-            c["vocab_size"] = REAL_VOCAB
-            c["rope_parameters"]["mrope_section"] = [24, 20, 20]
-    return tok, config
 
 
 def _bytes(shapes: dict[str, tuple[int, ...]], size: int = 2) -> int:

@@ -1,0 +1,169 @@
+"""The whole worker's throughput through Kafka against the engine alone (issue 17):
+`python -m producer_tools.serve_bench [--scenes 256] [--batch 16] [--k 1] [--image-size 1080x1920]`.
+
+1. a local Apache Kafka (deploy/local; JAVA_HOME may point at a jlink-trimmed runtime) and this
+   run's topics;
+2. a backlog of N trajectory requests (`--distinct` synthetic scenes at `--image-size`, JPEG,
+   cycled under distinct request ids), published before the worker starts;
+3. `python -m worker serve` with this process's environment (NIM_MODEL_PROFILE, NIM_FT_CHECKPOINT,
+   ALPAMAYO_LOAD_FORMAT=dummy for a config-only directory, ...) and ALPAMAYO_MAX_BATCH_SIZE =
+   `--batch`: Kafka-path scenes/s = N / (last answer - ready);
+4. the worker stopped, the same records through the worker's own intake (untimed) and engine in
+   this process, in batches of `--batch`: engine-only scenes/s = N / the batches' summed wall time;
+5. the table `target | measured | status`: the Kafka path >= 95% of the engine alone, every request
+   answered, and how many reasoning texts the two paths share (informational: batch composition
+   may differ). Writes it to `--out`/serve_bench.md; exit 1 when a target is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+import schemas as S
+from deploy.local.cluster import LocalKafka
+from deploy.local.host import free_ports
+from producer_tools.answers import collect_answers, send_requests
+from producer_tools.common import kafka_options, new_run_id
+from producer_tools.publish import run_request
+from producer_tools.scene_sources import iter_synthetic
+from producer_tools.topics import create_topics, plan_topics
+from worker.process import spawn_worker, wait_ready
+
+KAFKA_OVER_ENGINE = 0.95        # the bar: Kafka-path scenes/s over the engine alone's
+SCENE_SEED = 7_500_000
+
+
+def build_requests(run_id: str, n: int, distinct: int, image_hw: tuple[int, int], k: int,
+                   max_tokens: int | None) -> list[S.InferRequest]:
+    """n trajectory requests over `distinct` synthetic scenes (JPEG frames of image_hw), ids unique."""
+    _, items = iter_synthetic(min(n, distinct), seed=SCENE_SEED, image_size=image_hw, image_format="jpeg")
+    items = list(items)
+    out = []
+    for i in range(n):
+        req = run_request(items[i % len(items)], "trajectory", k, run_id, temperature=0.6 if k > 1 else 0.0,
+                          seed=i, max_tokens=max_tokens)
+        out.append(msgspec.structs.replace(req, request_id=f"{req.request_id}:{i}"))
+    return out
+
+
+def kafka_path(opts, env: dict[str, str], reqs: list[S.InferRequest], timeout_s: float, log_path: Path):
+    """Publish the backlog, start the worker, read every answer -> (scenes/s, results, dead, missing)."""
+    sent = asyncio.run(send_requests(opts, reqs))
+    print(f"   published {len(sent)} requests to {opts.request_topic}", flush=True)
+    with open(log_path, "w") as log:
+        proc = spawn_worker(env, stdout=log, stderr=log)
+        try:
+            wait_ready(f"http://127.0.0.1:{env['ALPAMAYO_HTTP_PORT']}", timeout=timeout_s, proc=proc)
+            ready = time.time()
+            print(f"   worker ready; reading answers (log: {log_path})", flush=True)
+            results, dead, missing = asyncio.run(collect_answers(opts, set(sent), timeout_s))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=120)
+            except Exception:
+                proc.kill()
+    last = max((at for _, at in results.values()), default=ready)
+    return len(results) / max(last - ready, 1e-9), results, dead, missing
+
+
+def engine_only(env: dict[str, str], reqs: list[S.InferRequest], batch: int):
+    """The same records through the worker's intake (untimed) and engine in this process ->
+    (scenes/s, {request id: SceneResult})."""
+    from worker.config import load_settings
+    from worker.engine import Engine, default_seed
+    from worker.intake import Intake, Job, RawRecord
+    from worker.service import load_engine
+
+    settings = load_settings({**os.environ, **env})
+    engine = Engine(settings)
+    load_engine(engine, settings)
+    intake = Intake(settings, default_seed, shrink_frame=engine.shrink_frame)
+    jobs = []
+    for i, req in enumerate(reqs):
+        value, headers = S.encode_request(req)
+        job = intake.process(RawRecord("serve-bench", 0, i, value, S.request_key(req), tuple(headers)))
+        if not isinstance(job, Job):
+            raise RuntimeError(f"{req.request_id}: {job.error_code.value}: {job.error_message}")
+        jobs.append(job)
+    out, wall = {}, 0.0
+    for i in range(0, len(jobs), batch):
+        part = jobs[i:i + batch]
+        t0 = time.perf_counter()
+        res = engine.infer([j.scene for j in part])
+        wall += time.perf_counter() - t0
+        out.update((j.request.request_id, r) for j, r in zip(part, res))
+    return len(jobs) / wall, out
+
+
+def table(kafka_sps: float, engine_sps: float, n: int, answered: int, dead: int, same_text: int, compared: int) -> str:
+    ratio = kafka_sps / engine_sps
+    rows = [("Kafka-path scenes/s >= 0.95x the engine alone at the same batch",
+             f"{kafka_sps:.3f} / {engine_sps:.3f} scenes/s = {ratio:.3f}x", ratio >= KAFKA_OVER_ENGINE),
+            ("every request answered with a result", f"{answered} of {n} ({dead} dead letters)",
+             answered == n),
+            ("reasoning identical to the engine alone's (informational)", f"{same_text} of {compared}", None)]
+    lines = ["| target | measured | status |", "|---|---|---|"]
+    lines += [f"| {t} | {m} | {'-' if ok is None else 'met' if ok else 'missed'} |" for t, m, ok in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m producer_tools.serve_bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--scenes", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=16, help="ALPAMAYO_MAX_BATCH_SIZE, and the engine-only batches")
+    ap.add_argument("--k", type=int, default=1)
+    ap.add_argument("--distinct", type=int, default=4, help="distinct synthetic scenes the requests cycle through")
+    ap.add_argument("--image-size", default="1080x1920", help="HxW of every frame")
+    ap.add_argument("--max-tokens", type=int, default=None, help="reasoning tokens per request (default: the model's)")
+    ap.add_argument("--partitions", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--out", default="serve-bench-out")
+    ap.add_argument("--bootstrap-servers", default=None, help="a running Kafka (default: start a local one)")
+    args = ap.parse_args(argv)
+    h, w = (int(x) for x in args.image_size.lower().split("x"))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    print("== 1. local Apache Kafka", flush=True)
+    kafka = None if args.bootstrap_servers else LocalKafka(name="serve-bench")
+    bootstrap = args.bootstrap_servers or kafka.start()
+    try:
+        run_id = new_run_id("serve-bench")
+        opts = kafka_options({}, bootstrap_servers=bootstrap, request_topic=f"{run_id}.requests",
+                             result_topic=f"{run_id}.results", dead_letter_topic=f"{run_id}.dead-letters")
+        asyncio.run(create_topics(opts, plan_topics(opts, partitions=args.partitions, max_message_bytes=64 << 20)))
+        print(f"== 2. {args.scenes} requests, K={args.k}, {args.distinct} distinct scenes of {h}x{w}", flush=True)
+        reqs = build_requests(run_id, args.scenes, args.distinct, (h, w), args.k, args.max_tokens)
+        env = {"NIM_ALPAMAYO_TRAJ_SAMPLES": str(args.k), "ALPAMAYO_MAX_BATCH_SIZE": str(args.batch),
+               "ALPAMAYO_MAX_BATCH_WAIT_MS": "200", "ALPAMAYO_KAFKA_BOOTSTRAP_SERVERS": bootstrap,
+               "ALPAMAYO_REQUEST_TOPIC": opts.request_topic, "ALPAMAYO_RESULT_TOPIC": opts.result_topic,
+               "ALPAMAYO_DEAD_LETTER_TOPIC": opts.dead_letter_topic, "ALPAMAYO_GROUP_ID": f"{run_id}-workers",
+               "ALPAMAYO_HTTP_PORT": str(free_ports(1)[0]), "ALPAMAYO_HTTP_HOST": "127.0.0.1"}
+        print(f"== 3. the worker ({os.environ.get('NIM_MODEL_PROFILE', 'bf16')}) through Kafka", flush=True)
+        kafka_sps, results, dead, missing = kafka_path(opts, env, reqs, args.timeout, out / "worker.log")
+    finally:
+        if kafka is not None:
+            kafka.stop()
+    print(f"   {kafka_sps:.3f} scenes/s; {len(results)} results, {len(dead)} dead letters, {len(missing)} unanswered",
+          flush=True)
+    print("== 4. the engine alone on the same records", flush=True)
+    engine_sps, direct = engine_only(env, reqs, args.batch)
+    compared = [rid for rid in results if rid in direct and direct[rid].error is None]
+    same = sum(list(results[rid][0].metrics.reasoning_texts) == list(direct[rid].texts) for rid in compared)
+    text = table(kafka_sps, engine_sps, len(reqs), len(results), len(dead), same, len(compared))
+    print("== 5. Kafka path against the engine alone\n" + text, flush=True)
+    (out / "serve_bench.md").write_text(text + "\n")
+    return 0 if "| missed |" not in text else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
