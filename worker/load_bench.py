@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from worker.bench import SHAPES, shape_config
+from worker.shapes import SHAPES, shape_config
 from worker.demo.layout import Dims, write_support_files
 from worker.model.checkpoint import INDEX_FILE, expected_shapes
 from worker.model.config import AlpamayoConfig
