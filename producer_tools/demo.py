@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import statistics
 import sys
 import time
@@ -34,7 +33,7 @@ from producer_tools.topics import create_topics, plan_topics
 from worker.config import PROFILES
 from worker.demo_cache import demo_checkpoint, demo_head
 from worker.scenes import bev_plot, generate_scene
-from worker.process import spawn_worker, wait_ready
+from worker.process import spawn_worker, stop_worker, wait_ready
 
 N_SCENES = 8
 
@@ -150,11 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"({time.perf_counter() - t0:.0f}s in all)")
             code = 0
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=90)
-        except Exception:
-            proc.kill()
+        stop_worker(proc, timeout=90)
         if not args.keep_kafka:
             kafka.stop()
     return code

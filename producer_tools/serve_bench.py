@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from producer_tools.common import kafka_options, new_run_id
 from producer_tools.publish import run_request
 from producer_tools.scene_sources import iter_synthetic
 from producer_tools.topics import create_topics, plan_topics
-from worker.process import spawn_worker, wait_ready
+from worker.process import spawn_worker, stop_worker, wait_ready
 
 KAFKA_OVER_ENGINE = 0.95        # the bar: Kafka-path scenes/s over the engine alone's
 SCENE_SEED = 7_500_000
@@ -66,11 +65,7 @@ def kafka_path(opts, env: dict[str, str], reqs: list[S.InferRequest], timeout_s:
             print(f"   worker ready; reading answers (log: {log_path})", flush=True)
             results, dead, missing = asyncio.run(collect_answers(opts, set(sent), timeout_s))
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=120)
-            except Exception:
-                proc.kill()
+            stop_worker(proc, timeout=120)
     last = max((at for _, at in results.values()), default=ready)
     return len(results) / max(last - ready, 1e-9), results, dead, missing
 

@@ -113,6 +113,16 @@ def spawn_worker(env: dict[str, str], *, python: str | None = None, cwd: str | o
                             stdout=stdout, stderr=stderr)
 
 
+def stop_worker(proc: subprocess.Popen, timeout: float) -> int | None:
+    """SIGTERM (the worker drains and exits); SIGKILL after `timeout` seconds. -> exit code."""
+    proc.terminate()
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
 def wait_ready(url: str, timeout: float = 300.0, proc: subprocess.Popen | None = None) -> None:
     """Poll ``{url}/v1/health/ready`` until 200. Raises TimeoutError, or RuntimeError if ``proc`` exits."""
     deadline = time.monotonic() + timeout
