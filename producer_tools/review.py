@@ -26,7 +26,7 @@ from worker.uncertainty import uncertainty_block
 __all__ = ["doubtful_results", "review_run", "format_table"]
 
 _COLUMNS = ["request_id", "run_id", "task", "num_samples", "labels", "pred_trajectories", "meta_actions",
-            "auto_labels"]
+            "auto_labels", "uncertainty_checker_disagreement_m"]
 _SYNTHETIC_ID = re.compile(r"synth-(\d+)")
 
 
@@ -40,7 +40,8 @@ def doubtful_results(lake: str, run_id: str | None, threshold: float) -> list[di
     rows = read_lake(lake, "results", run_id=run_id, columns=_COLUMNS, dedupe=True).to_pylist()
     out = []
     for r in rows:
-        block = uncertainty_block(r.get("pred_trajectories"), r.get("meta_actions"), r.get("auto_labels"))
+        block = uncertainty_block(r.get("pred_trajectories"), r.get("meta_actions"), r.get("auto_labels"),
+                                  r.get("uncertainty_checker_disagreement_m"))
         if block is not None and block["uncertainty"] >= threshold:
             out.append({"request_id": r["request_id"], "run_id": r.get("run_id"), "task": r["task"],
                         "k": r["num_samples"], "scene_id": _scene_id(r), **block,
@@ -64,11 +65,12 @@ def _fmt(v, spec: str = ".2f") -> str:
 
 
 def format_table(items: list[dict[str, Any]]) -> str:
-    lines = ["| uncertainty | task | K | request_id | scene_id | lateral spread m | meta agreement | label agreement "
-             "| plot |", "|" + "---|" * 9]
+    lines = ["| uncertainty | task | K | request_id | scene_id | lateral spread m | checker disagreement m "
+             "| meta agreement | label agreement | plot |", "|" + "---|" * 10]
     for d in items:
         lines.append(f"| {d['uncertainty']:.3f} | {d['task']} | {d['k']} | {d['request_id']} | {d['scene_id'] or '–'} "
-                     f"| {_fmt(d.get('lateral_spread_m'))} | {_fmt(d.get('meta_action_agreement'))} "
+                     f"| {_fmt(d.get('lateral_spread_m'))} | {_fmt(d.get('checker_disagreement_m'))} "
+                     f"| {_fmt(d.get('meta_action_agreement'))} "
                      f"| {_fmt(d.get('auto_label_agreement'))} | {d.get('plot') or '–'} |")
     return "\n".join(lines)
 

@@ -175,6 +175,10 @@ class Uncertainty(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True)
         "Mean over longitudinal/lateral/lane of the share of sample pairs with the same value; meta_action."))] = None
     auto_label_agreement: Annotated[_Fraction | None, Meta(description=(
         "Mean over the four auto-label fields of the sample pairs' word-set Jaccard similarity; auto_labeling."))] = None
+    checker_disagreement_m: Annotated[_Metres | None, Meta(description=(
+        "Mean over the samples of their ADE (x/y) to the trajectory of the checkpoint's independent checker, "
+        "beyond the checker's own held-out ADE (0 when within it), metres; trajectory results of a checkpoint "
+        "with a checker."))] = None
 
 
 class InferResult(msgspec.Struct, kw_only=True, frozen=True):

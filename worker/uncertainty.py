@@ -17,13 +17,18 @@ Components (each absent when the result has nothing to compare):
 * ``auto_label_agreement``: over the four auto-label fields, the mean over sample pairs of the
   word-set Jaccard similarity of the field's text (1 = identical words; two absent fields agree,
   an absent one and a present one do not). auto_labeling.
+* ``checker_disagreement_m``: mean over the K samples of the ADE (x/y, metres) between the sample
+  and the trajectory of the checkpoint's independent checker (``worker.model.checker``), beyond
+  the checker's own held-out ADE (its config's ``heldout_ade_m``; 0 when within it), when the
+  checkpoint has one. Trajectory results.
 
 The scalar combines the components like independent alarms (a noisy OR)::
 
     u_traj  = 1 - exp(-lateral_spread_m / LATERAL_SPREAD_SCALE_M)
     u_meta  = 1 - meta_action_agreement
     u_label = 1 - auto_label_agreement
-    uncertainty = 1 - (1 - u_traj) * (1 - u_meta) * (1 - u_label)      (absent terms: 0)
+    u_check = 1 - exp(-checker_disagreement_m / CHECKER_SCALE_M)
+    uncertainty = 1 - (1 - u_traj) * (1 - u_meta) * (1 - u_label) * (1 - u_check)   (absent terms: 0)
 
 so it is 0 when the samples agree, grows with each kind of disagreement and stays below 1.
 
@@ -36,6 +41,13 @@ lateral spread, 0.59 for the pairwise ADE and 0.50 for the along-track spread al
 here depends on that checkpoint's error level: samples that agree score 0 whatever the model.
 The scale puts a lateral spread of half a lane width (1.75 m: samples in different lanes) at
 1 - 1/e = 0.63.
+
+Why the checker term: the worst misses are confident (all K samples share one misreading of
+the scene), so no spread reveals them; a second model that reads the pixels on its own does
+(docs/uncertainty.md: AUROC 0.79-0.80 for "minADE > 2 m" on three held-out ranges of the demo
+checkpoint at K = 6, against 0.50-0.64 for the spread). 2 m puts a checker that disagrees by
+2 m more than its own typical error above 1 - 1/e. Subtracting that error (2.35 m for the demo's
+checker) changes the ranking little and halves the share of results above 0.5 (docs/uncertainty.md).
 """
 
 from __future__ import annotations
@@ -46,11 +58,13 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["LATERAL_SPREAD_SCALE_M", "META_ACTION_FIELDS", "AUTO_LABEL_FIELDS", "uncertainty_block",
-           "trajectory_spread", "field_agreement", "text_agreement"]
+__all__ = ["LATERAL_SPREAD_SCALE_M", "CHECKER_SCALE_M", "META_ACTION_FIELDS", "AUTO_LABEL_FIELDS",
+           "uncertainty_block", "trajectory_spread", "checker_disagreement", "field_agreement", "text_agreement"]
 
 LATERAL_SPREAD_SCALE_M = 1.75
 """Metres of lateral spread (half a 3.5 m lane) at which the trajectory term reaches 1 - 1/e."""
+CHECKER_SCALE_M = 2.0
+"""Metres of checker disagreement at which the checker term reaches 1 - 1/e."""
 META_ACTION_FIELDS = ("longitudinal", "lateral", "lane")
 AUTO_LABEL_FIELDS = ("critical_components_analysis", "ego_vehicle_motion_analysis", "trajectory_analysis",
                      "chain_of_causation")
@@ -64,6 +78,14 @@ def trajectory_spread(trajectories: Any) -> tuple[float, float, float]:
     d = xy[i] - xy[j]                                                 # (pairs, T, 2)
     dist = np.linalg.norm(d, axis=-1)
     return float(dist.mean()), float(dist[:, -1].mean()), float(np.abs(d[..., 1]).mean())
+
+
+def checker_disagreement(checker_trajectory: Any, trajectories: Any, checker_ade_m: float = 0.0) -> float:
+    """Mean over the K samples (K, T, >= 2) of the ADE (x/y, metres) between the sample and the
+    checker's trajectory (T, >= 2), beyond the checker's own held-out ADE ``checker_ade_m`` (>= 0)."""
+    c = np.asarray(checker_trajectory, dtype=np.float64)[None, :, :2]
+    xy = np.asarray(trajectories, dtype=np.float64)[:, :, :2]
+    return max(0.0, float(np.linalg.norm(xy - c, axis=-1).mean()) - float(checker_ade_m))
 
 
 def field_agreement(values: Sequence[Any]) -> float:
@@ -93,9 +115,11 @@ def _fields(samples: Sequence[Mapping[str, Any] | None] | None, names: tuple[str
 
 
 def uncertainty_block(trajectories: Any = None, meta_actions: Sequence[Mapping[str, Any] | None] | None = None,
-                      auto_labels: Sequence[Mapping[str, Any] | None] | None = None) -> dict[str, float] | None:
+                      auto_labels: Sequence[Mapping[str, Any] | None] | None = None,
+                      checker_disagreement_m: float | None = None) -> dict[str, float] | None:
     """The fields of ``schemas.Uncertainty`` for one result's K samples: ``trajectories``
-    (K, T, >= 2) or None, and per sample its meta action / auto label as a mapping (or None).
+    (K, T, >= 2) or None, per sample its meta action / auto label as a mapping (or None), and the
+    checker's disagreement (``checker_disagreement``; a lake reader passes the stored column).
     None when K < 2 or there is nothing to compare."""
     out: dict[str, float] = {}
     keep = 1.0                                  # product of (1 - u) over the terms present
@@ -103,6 +127,9 @@ def uncertainty_block(trajectories: Any = None, meta_actions: Sequence[Mapping[s
         ade, fde, lateral = trajectory_spread(trajectories)
         out["trajectory_spread_m"], out["endpoint_spread_m"], out["lateral_spread_m"] = ade, fde, lateral
         keep *= math.exp(-lateral / LATERAL_SPREAD_SCALE_M)
+        if checker_disagreement_m is not None:
+            out["checker_disagreement_m"] = float(checker_disagreement_m)
+            keep *= math.exp(-float(checker_disagreement_m) / CHECKER_SCALE_M)
     meta = _fields(meta_actions, META_ACTION_FIELDS)
     if meta is not None and len(meta[0]) >= 2:
         out["meta_action_agreement"] = float(np.mean([field_agreement(v) for v in meta]))

@@ -24,7 +24,7 @@ from worker.uncertainty import uncertainty_block
 
 __all__ = ["review_topic", "create_review_topic", "check_review_topic"]
 
-_COLUMNS = ["request_id", "pred_trajectories", "meta_actions", "auto_labels"]
+_COLUMNS = ["request_id", "pred_trajectories", "uncertainty_checker_disagreement_m", "meta_actions", "auto_labels"]
 
 
 def review_topic(topics: Topics) -> str:
@@ -62,7 +62,8 @@ async def check_review_topic(broker: Broker, topics: Topics, lake: str, threshol
     rows = read_lake(lake, "results", columns=_COLUMNS, dedupe=True).to_pylist()
     expected = set()
     for r in rows:
-        block = uncertainty_block(r["pred_trajectories"], r["meta_actions"], r["auto_labels"])
+        block = uncertainty_block(r["pred_trajectories"], r["meta_actions"], r["auto_labels"],
+                                  r.get("uncertainty_checker_disagreement_m"))
         if block is not None and block["uncertainty"] >= threshold:
             expected.add(r["request_id"])
     lost, unexpected = expected - set(ids), set(ids) - expected

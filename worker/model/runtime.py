@@ -23,6 +23,7 @@ import torch
 from schemas import TASKS_NEEDING_EGOMOTION
 from worker.model import text_tasks
 from worker.model.action_space import action_to_trajectory, quat_wxyz_to_matrix
+from worker.model.checker import SceneChecker, checker_inputs, load_checker
 from worker.model.checkpoint import load_model
 from worker.model.config import AlpamayoConfig, TokenIds
 from worker.model.decoder import TextDecoder
@@ -74,6 +75,8 @@ class SceneResult:
     generated_tokens: list[int] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)   # generated ids per sample
     trajectories: np.ndarray | None = None      # (K, 64, 3) float32
+    checker_trajectory: np.ndarray | None = None  # (64, 2) float32: the independent checker's (K >= 2)
+    checker_ade_m: float = 0.0                  # the checker's own held-out ADE (its config)
     rotations: np.ndarray | None = None         # (K, 64, 3, 3) float32
     timings_ms: dict[str, float] = field(default_factory=dict)
     speculative: Any = None                     # the speculator's merge_stats (worker/dflash/metrics.SpecStats)
@@ -155,6 +158,7 @@ class AlpamayoRuntime:
         self.device = device
         self.dtype = dtype
         self.speculator = speculator
+        self.checker: SceneChecker | None = None   # the checkpoint's independent checker (worker.model.checker)
         self._prep_pool = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="image-prep")
         self.stop_ids: tuple[int, ...] = ()      # generation_config.json eos ids (text tasks)
         self.max_model_len = max_model_len
@@ -197,6 +201,7 @@ class AlpamayoRuntime:
         rt.stop_ids = generation_stop_ids(checkpoint, int(cfg.text["vocab_size"]))
         rt.prompts.chat_template = load_chat_template(checkpoint)
         rt.prompts.check_template(f"checkpoint {checkpoint}")
+        rt.checker = load_checker(checkpoint)
         return rt
 
     # ------------------------------------------------------------------ per-scene preparation
@@ -429,10 +434,22 @@ class AlpamayoRuntime:
             if trajectories is not None:
                 res.trajectories = trajectories[s * k:(s + 1) * k]
                 res.rotations = rotations[s * k:(s + 1) * k]
+                if self.checker is not None and k >= 2:
+                    res.checker_trajectory = self._check(p.req)
+                    res.checker_ade_m = self.checker.cfg.heldout_ade_m
             if speculate:
                 res.speculative = self.speculator.merge_stats(spec_rows[s * k:(s + 1) * k])
             res.timings_ms = {"image_prep": p.image_prep_ms + device_prep_ms[s], "prefill": prefill_ms[s],
                               "decode": c_decode.ms, "diffusion": diffusion_ms}
+
+    @torch.inference_mode()
+    def _check(self, req: SceneRequest) -> np.ndarray | None:
+        """The checker's trajectory (64, 2) for a scene, or None when the request lacks its cameras.
+        On the host in fp32 (about 100 MFLOP a scene), independent of the device and precision."""
+        inputs = checker_inputs(self.checker.cfg, req.frames, req.camera_ids, req.num_frames, req.ego_history_xyz)
+        if inputs is None:
+            return None
+        return self.checker(*inputs)[0][0].numpy()
 
     def _cache_for(self, real_rows: int, need: int):
         """(cache, rows): the persistent cache (rows padded to a graph bucket) when CUDA graphs are
