@@ -29,7 +29,7 @@ from producer_tools.common import ToolError
 from worker.demo_cache import demo_checkpoint
 from worker.scenes import generate_scene
 from worker.scenes.request import runtime_request
-from worker.uncertainty import checker_disagreement, uncertainty_block
+from worker.uncertainty import uncertainty_block
 
 __all__ = ["CalibrationOptions", "calibrate", "auroc", "spearman", "format_table", "BAD_MIN_ADE_M", "AUROC_BAR",
            "CALIBRATION_SEED0"]
@@ -153,9 +153,7 @@ def calibrate(opts: CalibrationOptions) -> dict[str, Any]:
                         raise ToolError(f"{res.request_id}: the runtime failed: {res.error[0]}: {res.error[1]}")
                     gt = np.asarray(sc.ego_future_xyz, np.float64)[:, :2]
                     err = np.linalg.norm(np.asarray(res.trajectories, np.float64)[:, :, :2] - gt[None], axis=-1)
-                    block = uncertainty_block(res.trajectories, checker_disagreement_m=None if res.checker_trajectory is None
-                                              else checker_disagreement(res.checker_trajectory, res.trajectories,
-                                                                        res.checker_ade_m))
+                    block = uncertainty_block(res.trajectories, checker_disagreement_m=res.checker_disagreement_m)
                     rows.append({"scene_id": sc.scene_id, "min_ade_m": float(err.mean(axis=1).min()), **block})
                 bar.update(len(part))
     finally:

@@ -26,7 +26,7 @@ from worker.model import memory_plan
 from worker.model.memory_plan import MemoryPlan
 from worker.model.runtime import AlpamayoRuntime, SceneRequest, SceneResult
 from worker.model.tokenizer import load_tokenizer
-from worker.uncertainty import checker_disagreement, uncertainty_block
+from worker.uncertainty import uncertainty_block
 
 log = logging.getLogger("alpamayo.engine")
 MODEL_ID = "nvidia/alpamayo-2-super"
@@ -194,9 +194,7 @@ class Engine:
         if any(not math.isfinite(v) for v in (queue_ms, total_ms)):
             raise ValueError("non-finite timing")
         block = uncertainty_block(res.trajectories, [o.meta_action_fields for o in res.outputs],
-                                  [o.auto_label for o in res.outputs],
-                                  checker_disagreement(res.checker_trajectory, res.trajectories, res.checker_ade_m)
-                                  if res.checker_trajectory is not None and res.trajectories is not None else None)
+                                  [o.auto_label for o in res.outputs], res.checker_disagreement_m)
         return InferResult(
             request_id=req.request_id, run_id=req.run_id, task=req.task, labels=dict(req.labels),
             submitted_at=req.submitted_at,

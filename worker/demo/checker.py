@@ -73,7 +73,7 @@ def train_checker(out: str | Path, *, scenes: int = 9000, epochs: int = 4, batch
     held = max(1, scenes // 10)
     train_idx, held_idx = np.arange(scenes - held), np.arange(scenes - held, scenes)
     model = SceneChecker(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr / 1.5, weight_decay=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr, weight_decay=1e-4)   # OneCycleLR sets the rates
     steps = epochs * -(-len(train_idx) // batch)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps)
     t = {k: torch.from_numpy(v) for k, v in data.items()}

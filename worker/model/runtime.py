@@ -34,6 +34,7 @@ from worker.model.inputs import ImageProcessing, PromptBuilder, PromptSpec, mrop
 from worker.model.sampling import SamplingParams, sample_key
 from worker.model.tokenizer import generation_stop_ids, load_chat_template, load_tokenizer
 from worker.model.trajectory_tokens import future_tokenizer_from_config, history_tokenizer_from_config
+from worker.uncertainty import checker_disagreement
 
 TRAJECTORY_MAX_NEW = 256
 PREP_THREADS = min(8, os.cpu_count() or 1)     # scenes whose frames are staged at once (`_stage`)
@@ -82,6 +83,14 @@ class SceneResult:
     speculative: Any = None                     # the speculator's merge_stats (worker/dflash/metrics.SpecStats)
     warnings: list[str] = field(default_factory=list)
     error: tuple[str, str] | None = None        # (error code, message) when this scene failed
+
+    @property
+    def checker_disagreement_m(self) -> float | None:
+        """The samples' disagreement with the checker (`worker.uncertainty.checker_disagreement`),
+        or None without a checker trajectory."""
+        if self.checker_trajectory is None or self.trajectories is None:
+            return None
+        return checker_disagreement(self.checker_trajectory, self.trajectories, self.checker_ade_m)
 
 
 class InferenceError(Exception):
@@ -434,22 +443,27 @@ class AlpamayoRuntime:
             if trajectories is not None:
                 res.trajectories = trajectories[s * k:(s + 1) * k]
                 res.rotations = rotations[s * k:(s + 1) * k]
-                if self.checker is not None and k >= 2:
-                    res.checker_trajectory = self._check(p.req)
-                    res.checker_ade_m = self.checker.cfg.heldout_ade_m
             if speculate:
                 res.speculative = self.speculator.merge_stats(spec_rows[s * k:(s + 1) * k])
             res.timings_ms = {"image_prep": p.image_prep_ms + device_prep_ms[s], "prefill": prefill_ms[s],
                               "decode": c_decode.ms, "diffusion": diffusion_ms}
+        if trajectories is not None and self.checker is not None and k >= 2:
+            for p, traj in zip(ok, self._check([p.req for p in ok])):
+                results[p.req.request_id].checker_trajectory = traj
+                results[p.req.request_id].checker_ade_m = self.checker.cfg.heldout_ade_m
 
     @torch.inference_mode()
-    def _check(self, req: SceneRequest) -> np.ndarray | None:
-        """The checker's trajectory (64, 2) for a scene, or None when the request lacks its cameras.
-        On the host in fp32 (about 100 MFLOP a scene), independent of the device and precision."""
-        inputs = checker_inputs(self.checker.cfg, req.frames, req.camera_ids, req.num_frames, req.ego_history_xyz)
-        if inputs is None:
-            return None
-        return self.checker(*inputs)[0][0].numpy()
+    def _check(self, reqs: list[SceneRequest]) -> list[np.ndarray | None]:
+        """The checker's trajectory (64, 2) per scene, in one pass over the scenes that have its
+        cameras (None for the others). On the host in fp32 (about 100 MFLOP a scene), independent
+        of the device and precision."""
+        inputs = [checker_inputs(self.checker.cfg, r.frames, r.camera_ids, r.num_frames, r.ego_history_xyz)
+                  for r in reqs]
+        have = [x for x in inputs if x is not None]
+        if not have:
+            return [None] * len(reqs)
+        traj = iter(self.checker(torch.cat([x for x, _ in have]), torch.cat([h for _, h in have]))[0].numpy())
+        return [None if x is None else next(traj) for x in inputs]
 
     def _cache_for(self, real_rows: int, need: int):
         """(cache, rows): the persistent cache (rows padded to a graph bucket) when CUDA graphs are
