@@ -13,13 +13,17 @@ from producer_tools.common import KafkaOptions, client_kwargs
 
 
 async def send_requests(opts: KafkaOptions, reqs: Iterable[S.InferRequest]) -> dict[str, float]:
-    """Publish each request (acks=all, idempotent) to the request topic -> {request id: sent at}."""
-    producer = AIOKafkaProducer(acks="all", enable_idempotence=True, **client_kwargs(opts))
+    """Publish each request (acks=all, idempotent) to the request topic -> {request id: sent at}.
+    The producer's max_request_size fits the largest encoded request (aiokafka's default, 1 MiB,
+    refuses a scene of 24 full-HD JPEG frames); the topic's max.message.bytes must fit it too."""
+    encoded = [(req, *S.encode_request(req)) for req in reqs]
+    largest = max((len(value) for _, value, _ in encoded), default=0)
+    producer = AIOKafkaProducer(acks="all", enable_idempotence=True, max_request_size=max(1 << 20, largest + (64 << 10)),
+                                **client_kwargs(opts))
     await producer.start()
     sent_at = {}
     try:
-        for req in reqs:
-            value, headers = S.encode_request(req)
+        for req, value, headers in encoded:
             sent_at[req.request_id] = time.time()
             await producer.send_and_wait(opts.request_topic, value, key=req.request_id.encode(), headers=headers)
     finally:

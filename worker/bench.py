@@ -499,11 +499,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="--throughput: batches 1,16; K=3 at batch 1 only")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="only profile the decode/verify/draft/expert kernels; write DIR/profile.txt")
+    ap.add_argument("--profile-prefill", default=None, metavar="DIR",
+                    help="only profile one 24-image scene's prefill, bf16 then fp8; write DIR/prefill.txt")
     ap.add_argument("--config-only", default=None, metavar="DIR",
                     help="write a config-only directory of --shape (ALPAMAYO_LOAD_FORMAT=dummy serves it) and exit")
     args = ap.parse_args(argv)
     if args.config_only:
         print(write_config_only(args.shape, args.config_only))
+        return 0
+    if args.profile_prefill:
+        from worker.bench_throughput import profile_prefill
+
+        profile_prefill(shape=args.shape, out_dir=args.profile_prefill)
         return 0
     if args.throughput:
         from worker import bench_throughput     # it imports this module's helpers

@@ -304,3 +304,69 @@ def main(args) -> int:
         Path(args.out).write_text(md + "\n")
     print("\n" + md, flush=True)
     return 0
+
+
+def profile_prefill(image_hw: tuple[int, int] | None = None, shape: str = "32b", out_dir: str | None = None) -> str:
+    """Where one 24-image scene's prefill spends its time, bf16 then fp8: wall times of the whole
+    prefill, of the vision tower alone and of the text stack alone (CUDA-synchronised, median of 3),
+    then torch.profiler kernel and host-op tables of one prefill. -> the report (also DIR/prefill.txt).
+    `python -m worker.bench --profile-prefill DIR`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = torch.cuda.is_available()
+    dev = torch.device("cuda" if gpu else "cpu")
+    dtype = torch.bfloat16 if gpu else torch.float32
+    image_hw = image_hw or ((1080, 1920) if shape == "32b" else (64, 64))
+    model, cfg, tok = build_model(shape, dev, dtype)
+    rt = make_runtime(model, cfg, tok, dev, dtype)
+    p = rt._prepare(scenes(1, 1, image_hw, "prefill")[0])
+    vlm = rt.model.vlm.model
+    grid = p.grid.to(dev)
+    lines = [f"# prefill profile: {shape}, {len(p.input_ids)} prompt tokens, {int(grid[:, 0].mul(grid[:, 1]).mul(grid[:, 2]).sum())} "
+             f"patches in {len(grid)} images"]
+
+    def wall(fn) -> float:
+        times = []
+        for _ in range(3):
+            _sync()
+            t0 = time.perf_counter()
+            fn()
+            _sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    ids = p.input_ids[None].to(dev)
+    pos = p.positions[:, None].to(dev)
+    with torch.inference_mode():
+        embeds = vlm.get_input_embeddings()(ids)
+
+        def text_only():
+            vlm.language_model(inputs_embeds=embeds, position_ids=pos, use_cache=True)
+
+        for precision in ("bf16", "fp8"):
+            if precision == "fp8":
+                quantize_model_fp8(model)
+                rt.decoder.fuse()
+            for _ in range(2):
+                rt._prefill(p, ())
+            full = wall(lambda: rt._prefill(p, ()))
+            vision = wall(lambda: vlm.visual(p.pixel_values, grid_thw=grid))
+            text = wall(text_only)
+            lines.append(f"\n## {precision}: prefill {full:.1f} ms = vision tower {vision:.1f} ms + text stack "
+                         f"(no images) {text:.1f} ms + rest {full - vision - text:.1f} ms")
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+            with profile(activities=acts) as prof:
+                rt._prefill(p, ())
+                _sync()
+            ka = prof.key_averages()
+            if gpu:
+                lines.append(f"\n### {precision}: kernels by GPU time\n"
+                             + ka.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=90))
+            lines.append(f"\n### {precision}: host ops by self CPU time\n"
+                         + ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=90))
+    report = "\n".join(lines)
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "prefill.txt").write_text(report + "\n")
+    print(report, flush=True)
+    return report

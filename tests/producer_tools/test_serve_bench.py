@@ -33,3 +33,40 @@ def test_serve_bench_answers_every_request_and_compares_with_the_engine_alone(
         r"\| ([\d.]+) / ([\d.]+) scenes/s = ([\d.]+)x \| (met|missed) \|", text).groups()[:3])
     assert kafka_sps > 0 and engine_sps > 0 and abs(ratio - kafka_sps / engine_sps) < 2e-3
     assert code == (0 if ratio >= serve_bench.KAFKA_OVER_ENGINE else 1)
+
+
+def test_send_requests_publishes_a_request_larger_than_the_producer_default(kafka_bootstrap):
+    """A scene of 24 full-HD JPEG frames (1.3 MB encoded) is over aiokafka's default
+    max_request_size (1 MiB): the first run of serve_bench on the GPU machine failed on it."""
+    import asyncio
+    import uuid
+
+    from aiokafka import AIOKafkaConsumer
+
+    import schemas as S
+    from producer_tools.answers import send_requests
+    from producer_tools.common import client_kwargs, kafka_options
+    from producer_tools.topics import create_topics, plan_topics
+
+    run = f"big-{uuid.uuid4().hex[:8]}"
+    opts = kafka_options({}, bootstrap_servers=kafka_bootstrap, request_topic=f"{run}.requests",
+                         result_topic=f"{run}.results", dead_letter_topic=f"{run}.dead-letters")
+    asyncio.run(create_topics(opts, plan_topics(opts, partitions=1, max_message_bytes=8 << 20)))
+    req = serve_bench.build_requests(run, 1, 1, (1080, 1920), 1, 8)[0]
+    size = len(S.encode_request(req)[0])
+    assert size > 1 << 20
+
+    async def read_back() -> list[int]:
+        consumer = AIOKafkaConsumer(opts.request_topic, group_id=None, auto_offset_reset="earliest",
+                                    fetch_max_bytes=16 << 20, max_partition_fetch_bytes=16 << 20,
+                                    **client_kwargs(opts))
+        await consumer.start()
+        try:
+            batch = await consumer.getmany(timeout_ms=20_000)
+            return [len(m.value) for msgs in batch.values() for m in msgs]
+        finally:
+            await consumer.stop()
+
+    sent = asyncio.run(send_requests(opts, [req]))
+    assert list(sent) == [req.request_id]
+    assert asyncio.run(read_back()) == [size]
