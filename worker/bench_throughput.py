@@ -17,6 +17,7 @@ Budget on an H200 (32B shape, defaults): about 1 min to build the model, then ~3
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from worker.dflash.loop import DFlash2Speculator
 from worker.dflash.metrics import SpecStats, speculative_block
 from worker.dflash.oracle import OracleProposer, error_rate_for_tau
 from worker.model import memory_plan
+from worker.model.fast_vision import fast_vision_paths
 from worker.model.fp8 import quantize_model_fp8
 from worker.model.runtime import SceneRequest
 
@@ -340,8 +342,13 @@ def profile_prefill(image_hw: tuple[int, int] | None = None, shape: str = "32b",
     with torch.inference_mode():
         embeds = vlm.get_input_embeddings()(ids)
 
-        def text_only():
-            vlm.language_model(inputs_embeds=embeds, position_ids=pos, use_cache=True)
+        def text_only():                 # the runtime's paths: fused layers on the GPU
+            with rt.decoder.stack.prefilling() if gpu else contextlib.nullcontext():
+                vlm.language_model(inputs_embeds=embeds, position_ids=pos, use_cache=not gpu)
+
+        def vision_only():
+            with fast_vision_paths(rt.model) if gpu else contextlib.nullcontext():
+                vlm.visual(p.pixel_values, grid_thw=grid)
 
         for precision in ("bf16", "fp8"):
             if precision == "fp8":
@@ -350,7 +357,7 @@ def profile_prefill(image_hw: tuple[int, int] | None = None, shape: str = "32b",
             for _ in range(2):
                 rt._prefill(p, ())
             full = wall(lambda: rt._prefill(p, ()))
-            vision = wall(lambda: vlm.visual(p.pixel_values, grid_thw=grid))
+            vision = wall(vision_only)
             text = wall(text_only)
             lines.append(f"\n## {precision}: prefill {full:.1f} ms = vision tower {vision:.1f} ms + text stack "
                          f"(no images) {text:.1f} ms + rest {full - vision - text:.1f} ms")

@@ -24,7 +24,7 @@ if not torch.cuda.is_available():        # before Triton is imported: no GPU -> 
 from worker.model.attention import attend_reference, cache_attention  # noqa: E402
 from worker.model.decoder import apply_rope, rms_norm, rope_cos_sin  # noqa: E402
 from worker.model.fp8 import WEIGHT_ONLY_MAX_ROWS, quantize_model_fp8, quantize_weight, scaled_mm_linear  # noqa: E402
-from worker.model.fp8_gemm import LaunchConfig, fp8_linear, launch_config  # noqa: E402
+from worker.model.fp8_gemm import LaunchConfig, fp8_linear, launch_config, quantize_rows, quantize_rows_reference  # noqa: E402
 from worker.model.fused_ops import add_rms_norm, qk_norm_rope_write, reference_only, silu_mul  # noqa: E402
 
 # (rows, T, Hq, Hkv, D, capacity) per use; capacity includes free columns after the live keys.
@@ -145,6 +145,14 @@ def check_fp8_linear(shape: dict, dtype, dev, gen) -> list[tuple[str, str, float
             err = rel_err(out, x.double() @ w64.t()) if same else (float("nan"), float("nan"))
             rows.append((f"fp8 weight-only {name}", f"M {m}, {k} -> {n}", *err))
         del w64
+    if dev.type == "cuda":        # (Triton's interpreter rounds some fp32 -> e4m3 casts down a binade)
+        for m, k in ((4623, shape["hidden"]), (301, shape["intermediate"])):
+            x = (torch.randn(m, k, device=dev, generator=gen) * 3).to(dtype)
+            q, sc = quantize_rows(x)
+            rq, rs = quantize_rows_reference(x)
+            same = torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(sc, rs)
+            rows.append(("fp8 activation quantisation (same bits as torch)", f"M {m}, K {k}",
+                         *(rel_err(q.float() * sc, rq.float() * rs) if same else (float("nan"), float("nan")))))
     return rows
 
 
@@ -206,10 +214,30 @@ def check_model(shape: str, dtype, dev, gen) -> list[tuple[str, float, float]]:
         h_ref = draft.block_hidden(emb, positions, [(ck[:, :, :s].clone(), cv[:, :, :s].clone())], visible)
         h_fused = draft.block_hidden_fused(emb, lengths, delta, [(ck, cv)])
     out.append(("draft block hidden", *rel_err(h_fused, h_ref)))
+    out += check_prefill(rt, "", dtype)
     quantize_model_fp8(model)
     rt.decoder.fuse()
     out += check_decoder_steps(rt, "fp8 ", rows, cap, dtype, dev, gen)[0]
+    out += check_prefill(rt, "fp8 ", dtype)
     return out
+
+
+def check_prefill(rt, tag: str, dtype) -> list[tuple[str, float, float]]:
+    """A 24-image prompt's prefill through the fused layers (`FusedStack.prefilling`) against
+    transformers' own layers: last-position logits, a captured hidden state, first and last
+    layers' K/V."""
+    from worker.bench_throughput import scenes
+
+    p = rt._prepare(scenes(1, 1, (64, 64), "kernel-check")[0])
+    p.pixel_values = p.pixel_values.to(dtype)
+    last = len(rt.decoder.stack.layers) - 1
+    logits, kv, hidden = rt._prefill(p, (0,))
+    with reference_only():
+        r_logits, r_kv, r_hidden = rt._prefill(p, (0,))
+    return [(f"{tag}prefill ({len(p.input_ids)} tokens): logits", *rel_err(logits, r_logits)),
+            (f"{tag}prefill: captured hidden", *rel_err(hidden[0], r_hidden[0])),
+            (f"{tag}prefill: layer 0 K", *rel_err(kv[0][0], r_kv[0][0])),
+            (f"{tag}prefill: layer {last} V", *rel_err(kv[last][1], r_kv[last][1]))]
 
 
 def sweep_expert_attention(dev, gen) -> None:
@@ -391,7 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     model_shape = "tiny" if args.shape == "tiny" else "mid"
     for dtype in [] if args.fp8_only else dtypes:
         for name, err, mx in check_model(model_shape, dtype, dev, gen):
-            ok = err <= bound[dtype]
+            # an fp8 prefill quantises activations to 3 mantissa bits: a last-bit difference upstream
+            # moves a value across an e4m3 step, so it gets the bf16 operands' bound in fp32 too
+            ok = err <= (max(bound[dtype], bound[torch.bfloat16]) if name.startswith("fp8 prefill") else bound[dtype])
             failed += not ok
             print(f"| {name} | model {model_shape} | {str(dtype)[6:]} | {err:.2e} | {mx:.2e} | {'ok' if ok else 'FAIL'} |")
     if args.sweep and gpu:

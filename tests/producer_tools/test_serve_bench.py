@@ -33,6 +33,10 @@ def test_serve_bench_answers_every_request_and_compares_with_the_engine_alone(
         r"\| ([\d.]+) / ([\d.]+) scenes/s = ([\d.]+)x \| (met|missed) \|", text).groups()[:3])
     assert kafka_sps > 0 and engine_sps > 0 and abs(ratio - kafka_sps / engine_sps) < 2e-3
     assert code == (0 if ratio >= serve_bench.KAFKA_OVER_ENGINE else 1)
+    # where the Kafka path's time goes: engine stages inside the worker against the engine alone
+    kafka_prefill, alone_prefill = map(float, re.search(r"prefill (\d+) / (\d+) ms, decode", text).groups())
+    assert kafka_prefill > 0 and alone_prefill > 0
+    assert re.search(r"\| first answer after the worker was ready \(informational\) \| [\d.]+ s \|", text)
 
 
 def test_send_requests_publishes_a_request_larger_than_the_producer_default(kafka_bootstrap):

@@ -1,5 +1,5 @@
 """The GPU path's Triton kernels (attention over live keys, fused norm/rope/silu, whole fused
-stacks of the decoder, draft head and expert) against the reference torch ops, run on the CPU
+stacks of the decoder, draft head and expert, a prompt's prefill through the fused layers) against the reference torch ops, run on the CPU
 through Triton's interpreter by the same script the GPU check uses (`python -m worker.kernel_check`)."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ def test_kernels_match_reference_ops_in_triton_interpreter():
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "| ok |" in line]
     for name in ("attention decode", "attention verify", "attention draft", "attention expert", "silu_mul",
                  "qk_norm_rope_write k in cache", "decoder step T=8: logits", "expert velocity", "draft block hidden",
-                 "fp8 weight-only down", "fp8 weight-only odd", "fp8 decoder step T=8: logits"):
+                 "fp8 weight-only down", "fp8 weight-only odd", "fp8 decoder step T=8: logits",
+                 "prefill (399 tokens): logits", "prefill: layer 0 K", "fp8 prefill: captured hidden"):
         assert any(row.startswith(f"| {name} ") for row in rows), (name, proc.stdout)
     assert proc.stdout.strip().endswith("passed: 0 check(s) out of bounds")

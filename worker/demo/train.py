@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from schemas import TASKS
-from worker.demo.fast_paths import fast_training_paths
+from worker.model.fast_vision import fast_vision_paths
 from worker.model.action_space import UnicycleActionSpaceConfig, trajectory_to_action
 from worker.model.expert import ActionExpert
 from worker.model.fused_ops import reference_only
@@ -416,7 +416,7 @@ def train(model, runtime: AlpamayoRuntime, examples: Sequence[Example], c: Train
     clock = _PhaseClock(runtime.device, c.timed_steps)
     # reference_only: the expert's fused GPU kernels have no backward (on a GPU they would cut
     # its layers out of the gradient: a flow loss stuck at 2.0 on the first GPU build)
-    with fast_training_paths(model), reference_only():
+    with fast_vision_paths(model), reference_only():
         for step in range(c.steps):
             groups = [[examples[i] for i in g] for g in sampler.step()]
             weight_total = float(sum(float(e.weights.sum()) for g in groups for e in g))
@@ -487,7 +487,7 @@ def trajectory_contexts(model, runtime: AlpamayoRuntime, examples: Sequence[Exam
     was = model.training
     model.eval()
     traj = [e for e in examples if e.task == "trajectory"]
-    with fast_training_paths(model):
+    with fast_vision_paths(model):
         for i in range(0, len(traj), batch):
             part = traj[i:i + batch]
             b = collate(part, runtime)

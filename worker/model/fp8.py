@@ -5,7 +5,8 @@ Which product runs, by the number of rows M (tokens) of the input:
       weight-only fp8 (`fp8_gemm.fp8_linear`: bf16 activations, the weight widened in registers),
       bound by the weight's bytes like decode, verify, draft and expert steps are
   larger M on GPUs with fp8 tensor cores (compute capability >= 8.9: Ada, Hopper): a real fp8
-      matrix multiply (`torch._scaled_mm`, activations quantised per token on the fly), bound by
+      matrix multiply (`torch._scaled_mm`, activations quantised per token on the fly by one kernel,
+      `fp8_gemm.quantize_rows`), bound by
       arithmetic like prefill is
   elsewhere (and for few rows inside `fused_ops.reference_only()`): the weight dequantised to the
       activation dtype (same numbers, no speed-up), so CPU tests exercise the same quantised weights.
@@ -16,10 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.model.fp8_gemm import fp8_linear, fp8_linear_reference
+from worker.model.fp8_gemm import E4M3_MAX, fp8_linear, fp8_linear_reference, quantize_rows
 from worker.model.fused_ops import available
 
-E4M3_MAX = 448.0
 # Up to this many rows the weight-only kernel runs (its time is the weight's bytes, about half
 # of bf16's); above it fp8 x fp8 `_scaled_mm` (arithmetic-bound: twice bf16's tensor-core rate).
 # `python -m worker.kernel_check --sweep` times both forms at M = 1 ... 256 on the GPU.
@@ -77,9 +77,7 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """fp8 x fp8 product on the tensor cores: x quantised to e4m3 per row, then `torch._scaled_mm`
     with both scales (GPUs with compute capability >= 8.9, dimensions multiples of 16)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    x_scale = (x2.abs().amax(dim=1, keepdim=True).float() / E4M3_MAX).clamp(min=1e-12)
-    xq = (x2.float() / x_scale).to(torch.float8_e4m3fn)
+    xq, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
     y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale[None, :], bias=bias,
                          out_dtype=x.dtype if x.dtype != torch.float32 else torch.bfloat16)
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])

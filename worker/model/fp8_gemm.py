@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from worker.model.fused_ops import available
+
 try:                                   # Triton ships with CUDA builds of torch; CPU installs may lack it
     import triton
     import triton.language as tl
@@ -193,3 +195,46 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
             part, scale, b, y, rows, n, y.stride(0), SPLIT=splits, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK,
             num_warps=4)
     return y.view(*x.shape[:-1], n)
+
+
+E4M3_MAX = 448.0
+
+
+def quantize_rows_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 (M, K) -> (e4m3 (M, K), fp32 scale (M, 1)) with x2 ≈ q * scale: one scale per row, its
+    largest magnitude mapped to e4m3's largest value (torch ops: five passes, fp32 temporaries)."""
+    scale = (x2.abs().amax(dim=1, keepdim=True).float() / E4M3_MAX).clamp(min=1e-12)
+    return (x2.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+if triton is not None:
+    @triton.jit
+    def _quantize_rows_kernel(X, Q, S, K, sx, sq, BLOCK: tl.constexpr, E4M3: tl.constexpr):
+        row = tl.program_id(0)
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            x = tl.load(X + row * sx + cols, mask=cols < K, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        scale = tl.maximum(tl.max(amax, 0) / E4M3, 1e-12)
+        tl.store(S + row, scale)
+        for k0 in range(0, K, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            x = tl.load(X + row * sx + cols, mask=cols < K, other=0.0)
+            tl.store(Q + row * sq + cols, tl.math.div_rn(x.to(tl.float32), scale).to(Q.dtype.element_ty),
+                     mask=cols < K)
+
+
+def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows_reference` in one kernel (two reads of each row, no temporaries; the same
+    bits: IEEE division, round to nearest even) where the kernels run; the torch ops elsewhere."""
+    if not available(x2):
+        return quantize_rows_reference(x2)
+    m, k = x2.shape
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x2.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x2.device)
+    _quantize_rows_kernel[(m,)](x2, q, scale, k, x2.stride(0), q.stride(0), BLOCK=min(4096, triton.next_power_of_2(k)),
+                                E4M3=E4M3_MAX, num_warps=8 if k >= 4096 else 4)
+    return q, scale

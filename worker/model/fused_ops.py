@@ -67,10 +67,10 @@ if triton is not None:
         tl.store(Y + row * sy + cols, (y.to(tl.float32) * w.to(tl.float32)).to(dt), mask=mask)
 
     @triton.jit
-    def _qk_norm_rope_write_kernel(QKV, QO, KC, VC, QW, KW, START, DELTA, INV_FREQ,
+    def _qk_norm_rope_write_kernel(QKV, QO, KC, VC, QW, KW, START, DELTA, INV_FREQ, COS, SIN,
                                    s_row, sqo_row, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l,
-                                   scaling, eps, T: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
-                                   D: tl.constexpr, NH: tl.constexpr):
+                                   scaling, eps, T, HQ: tl.constexpr, HKV: tl.constexpr,
+                                   D: tl.constexpr, NH: tl.constexpr, TABLE: tl.constexpr):
         row = tl.program_id(0)               # b * T + t: every head of one token in one program
         b = row // T
         t = row % T
@@ -92,9 +92,13 @@ if triton is not None:
         y = ((xf * rstd).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
         yp = ((xp * rstd).to(dt).to(tl.float32) * wp).to(dt).to(tl.float32)
         rot = tl.where((d < half)[None, :], -yp, yp)
-        freq = (pos + tl.load(DELTA + b)).to(tl.float32) * tl.load(INV_FREQ + d % half).to(tl.float32)
-        cos = (tl.cos(freq) * scaling).to(dt).to(tl.float32)[None, :]
-        sin = (tl.sin(freq) * scaling).to(dt).to(tl.float32)[None, :]
+        if TABLE:                            # the caller's cos/sin rows (multimodal rotary of a prompt)
+            cos = tl.load(COS + row * D + d).to(tl.float32)[None, :]
+            sin = tl.load(SIN + row * D + d).to(tl.float32)[None, :]
+        else:
+            freq = (pos + tl.load(DELTA + b)).to(tl.float32) * tl.load(INV_FREQ + d % half).to(tl.float32)
+            cos = (tl.cos(freq) * scaling).to(dt).to(tl.float32)[None, :]
+            sin = (tl.sin(freq) * scaling).to(dt).to(tl.float32)[None, :]
         out = ((y * cos).to(dt).to(tl.float32) + (rot * sin).to(dt).to(tl.float32)).to(dt)
         tl.store(QO + row * sqo_row + h[:, None] * D + d[None, :], out, mask=is_q & valid)
         is_k = ((h >= HQ) & (h < HQ + HKV))[:, None] & valid
@@ -138,21 +142,29 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def qk_norm_rope_write(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_norm_weight: torch.Tensor,
                        k_norm_weight: torch.Tensor, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       start: torch.Tensor, rope_delta: torch.Tensor, inv_freq: torch.Tensor,
-                       scaling: float) -> torch.Tensor:
+                       start: torch.Tensor, rope_delta: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None,
+                       scaling: float = 1.0, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """qkv (B, T, (Hq + 2 Hkv) D) -> q (B, T, Hq, D) normed and rotated; k (normed, rotated) and v
     written into k_cache/v_cache (>= B, Hkv, L, D) at positions start[b] + t, rotary position
-    start[b] + t + rope_delta[b]."""
+    start[b] + t + rope_delta[b] (inv_freq, scaling), or, with cos_sin, the rotary of those rows
+    (each (B, T, D) contiguous in the activation dtype, scaling included: transformers' rotary
+    embedding's output, multimodal positions of a prompt)."""
     b, t, width = qkv.shape
     d = width // (q_heads + 2 * kv_heads)
     q = torch.empty(b, t, q_heads, d, dtype=qkv.dtype, device=qkv.device)
     rows = qkv.reshape(b * t, width)
     heads = q_heads + 2 * kv_heads
+    if cos_sin is not None:
+        cos, sin = (c.expand(b, t, d).contiguous() for c in cos_sin)
+        rope_delta = inv_freq = start
+    else:
+        cos = sin = rows
     _qk_norm_rope_write_kernel[(b * t,)](
-        rows, q, k_cache, v_cache, q_norm_weight, k_norm_weight, start, rope_delta, inv_freq,
+        rows, q, k_cache, v_cache, q_norm_weight, k_norm_weight, start, rope_delta, inv_freq, cos, sin,
         rows.stride(0), q_heads * d, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scaling, eps,
-        T=t, HQ=q_heads, HKV=kv_heads, D=d, NH=triton.next_power_of_2(heads), num_warps=4 if heads > 32 else 2)
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scaling, eps, t,
+        HQ=q_heads, HKV=kv_heads, D=d, NH=triton.next_power_of_2(heads), TABLE=cos_sin is not None,
+        num_warps=4 if heads > 32 else 2)
     return q
 
 

@@ -1,19 +1,27 @@
 """The GPU step of a stack of Qwen3-style layers over a static KV cache: the target decoder
 (decode and verify), the DFlash2 draft head and the action expert all run through `FusedStack`.
 
-Per layer, 9 launches: [residual add + RMSNorm] -> q/k/v GEMM -> [q/k norm + rotary, K/V into
+Per layer of a step, 9 launches: [residual add + RMSNorm] -> q/k/v GEMM -> [q/k norm + rotary, K/V into
 the cache] -> attention over live keys (2 kernels) -> o GEMM -> [residual add + RMSNorm] ->
 gate/up GEMM -> [silu * mul] -> down GEMM. The residual add of a layer's MLP output is folded
 into the next layer's input norm. The reference (unfused, CPU) math of each user stays in its
 own module; `python -m worker.kernel_check` (run on the CPU by `tests/worker/test_kernel_check.py`,
 through Triton's interpreter) checks this path against it.
 
-Shapes: B rows, T new tokens per row, H hidden, Hq/Hkv heads, D head dim, L cache capacity.
+A prompt's prefill runs transformers' text model (its multimodal rotary and deepstack glue) with
+each layer's forward swapped for `FusedStack.prefill_layer` inside `FusedStack.prefilling()`:
+the same fused element-wise kernels and projections, torch's SDPA (causal, grouped-query) for
+the prompt's attention, and its K/V written once into per-layer buffers (no cache appends).
+
+Shapes: B rows, T new tokens per row, P prompt tokens, H hidden, Hq/Hkv heads, D head dim, L cache capacity.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from worker.model.attention import cache_attention
@@ -123,6 +131,52 @@ class FusedStack:
         if pending is not None:
             h = h + pending
         return h, hidden
+
+    def prefill_layer(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      kv: list) -> torch.Tensor:
+        """Layer i over a whole prompt: h (1, P, H) -> (1, P, H), as transformers' decoder layer
+        computes it (cos, sin (1, P, D): its rotary embedding); the layer's K/V (1, Hkv, P, D)
+        are stored in kv[i]."""
+        layer = self.layers[i]
+        a, mlp = layer.self_attn, layer.mlp
+        fused_qkv, fused_gate_up, (hq, hkv) = self.parts[i]
+        b, p, _ = h.shape
+        ln = layer.input_layernorm
+        _, x = add_rms_norm(h, ln.weight, norm_eps(ln))
+        qkv = fused_qkv(x) if fused_qkv is not None else torch.cat([a.q_proj(x), a.k_proj(x), a.v_proj(x)], -1)
+        k = torch.empty(b, hkv, p, self.head_dim, dtype=h.dtype, device=h.device)
+        v = torch.empty_like(k)
+        start = torch.zeros(b, dtype=torch.long, device=h.device)
+        q = qk_norm_rope_write(qkv, hq, hkv, a.q_norm.weight, a.k_norm.weight, norm_eps(a.q_norm), k, v, start,
+                               cos_sin=(cos, sin))
+        kv[i] = (k, v)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, enable_gqa=hq != hkv)
+        ln = layer.post_attention_layernorm
+        h, x = add_rms_norm(a.o_proj(o.transpose(1, 2).reshape(b, p, -1)), ln.weight, norm_eps(ln), residual=h)
+        gu = fused_gate_up(x) if fused_gate_up is not None else torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1)
+        return h + mlp.down_proj(silu_mul(gu))
+
+    @contextlib.contextmanager
+    def prefilling(self):
+        """Within: every layer's forward, as transformers' text model calls it for one prompt
+        (batch 1, no padding, an empty cache), is `prefill_layer`. Yields the list that receives
+        each layer's (K, V) (1, Hkv, P, D); the model's own cache object stays empty."""
+        kv: list = [None] * len(self.layers)
+
+        def forward(i):
+            def run(hidden_states, *args, position_embeddings, **kwargs):
+                if hidden_states.shape[0] != 1:
+                    raise ValueError(f"fused prefill takes one prompt, got a batch of {hidden_states.shape[0]}")
+                return self.prefill_layer(i, hidden_states, *position_embeddings, kv)
+            return run
+
+        for i, layer in enumerate(self.layers):
+            layer.forward = forward(i)             # shadows the class's forward; hooks still run
+        try:
+            yield kv
+        finally:
+            for layer in self.layers:
+                del layer.forward
 
     @staticmethod
     def final_norm(h: torch.Tensor, norm: nn.Module) -> torch.Tensor:

@@ -2,7 +2,8 @@
 one K) in, per-scene results with per-stage timings out.
 
 Per batch: image prep and prefill run per scene (the vision tower and the prompt's K/V are
-computed once per scene through transformers' Qwen3-VL); the prompt cache is forked K ways into
+computed once per scene through transformers' Qwen3-VL; on the GPU with the fused layers of
+`layers.FusedStack.prefilling` and the batched vision attention of `fast_vision`); the prompt cache is forked K ways into
 the static cache; all rows then decode together (baseline, or DFlash2 for trajectory requests
 on a dflash2 profile); trajectory rows end with the flow-matching expert over the cache up to
 each row's own `<|traj_future_start|>`.
@@ -10,6 +11,7 @@ each row's own `<|traj_future_start|>`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,6 +30,8 @@ from worker.model.checkpoint import load_model
 from worker.model.config import AlpamayoConfig, TokenIds
 from worker.model.decoder import TextDecoder
 from worker.model.expert import ActionExpert
+from worker.model.fast_vision import fast_vision_paths
+from worker.model.fused_ops import available as fused_available
 from worker.model.generate import Speculator, baseline_decode, start_batch
 from worker.model.graphs import GraphCache, bucket
 from worker.model.inputs import ImageProcessing, PromptBuilder, PromptSpec, mrope_positions
@@ -283,16 +287,24 @@ class AlpamayoRuntime:
         hooks = [self.model.language_model.layers[i].register_forward_hook(
             lambda _m, _i, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out))
             for i in capture]
+        fused = fused_available(p.pixel_values)          # GPU: fused layers, batched vision attention
         try:
-            out = self.model.vlm.model(
-                input_ids=p.input_ids[None].to(self.device), pixel_values=p.pixel_values,
-                image_grid_thw=p.grid.to(self.device), position_ids=p.positions[:, None].to(self.device),
-                use_cache=True)
+            with contextlib.ExitStack() as paths:
+                if fused:
+                    paths.enter_context(fast_vision_paths(self.model))
+                    fused_kv = paths.enter_context(self.decoder.stack.prefilling())
+                out = self.model.vlm.model(
+                    input_ids=p.input_ids[None].to(self.device), pixel_values=p.pixel_values,
+                    image_grid_thw=p.grid.to(self.device), position_ids=p.positions[:, None].to(self.device),
+                    use_cache=not fused)
         finally:
             for hk in hooks:
                 hk.remove()
-        cache = out["cache"] if "cache" in out.keys() else out["past_key_values"]   # renamed in transformers 5.2x
-        layer_kv = [(layer.keys, layer.values) for layer in cache.layers]
+        if fused:
+            layer_kv = fused_kv
+        else:
+            cache = out["cache"] if "cache" in out.keys() else out["past_key_values"]   # renamed in transformers 5.2x
+            layer_kv = [(layer.keys, layer.values) for layer in cache.layers]
         logits = self.model.lm_head(out.last_hidden_state[0, -1]).float()
         return logits, layer_kv, captured
 

@@ -305,13 +305,13 @@ def test_expert_layers_train_where_the_fused_kernels_run(ckpt, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
-def test_fast_training_paths_give_the_vision_tower_the_same_output(ckpt, runtime):
-    """The training-only vision paths (batched attention, linear patch embedding, rotary ids of
+def test_fast_vision_paths_give_the_vision_tower_the_same_output(ckpt, runtime):
+    """The fast vision paths (batched attention, linear patch embedding, rotary ids of
     one image tiled over equal grids) are exact, and transformers' per-image loop runs once."""
     import torch
     from transformers.models.qwen3_vl import modeling_qwen3_vl
 
-    from worker.demo.fast_paths import fast_training_paths
+    from worker.model.fast_vision import fast_vision_paths
     from worker.scenes import generate_scene
     from worker.scenes.request import runtime_frames
 
@@ -330,7 +330,7 @@ def test_fast_training_paths_give_the_vision_tower_the_same_output(ckpt, runtime
         with torch.no_grad():
             slow = visual(pixels, grid_thw=grid).pooler_output
             assert calls == [len(grid)]
-            with fast_training_paths(runtime.model):
+            with fast_vision_paths(runtime.model):
                 fast = visual(pixels, grid_thw=grid).pooler_output
     finally:
         modeling_qwen3_vl.get_vision_position_ids = original

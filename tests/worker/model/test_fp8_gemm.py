@@ -27,7 +27,7 @@ from worker.model.fp8_gemm import LaunchConfig, fp8_linear, launch_config, split
 from worker.model.fused_ops import reference_only
 
 gen = torch.Generator().manual_seed(7)
-out = {"products": [], "dispatch": {}}
+out = {"products": [], "dispatch": {}, "quantize_rows": []}
 # (rows, N, K, dtype, bias, splits): K and N not multiples of any block; None = the split rule
 for m, n, k, dtype, bias, splits in [(1, 37, 300, "float32", True, None), (1, 37, 300, "bfloat16", False, 3),
                                      (3, 37, 300, "float32", False, 3), (3, 45, 129, "bfloat16", True, None),
@@ -58,6 +58,23 @@ for name, rows, ref_only in [("few", 3, False), ("limit", fp8.WEIGHT_ONLY_MAX_RO
     ref = fp8.fp8_linear_reference(x.double(), lin.weight, lin.weight_scale.double())
     out["dispatch"][name] = dict(kernel_calls=spy.call_count, shape=list(y.shape),
                                  rel_err=float((y[0].double() - ref).norm() / ref.norm()))
+# per-row activation quantisation for _scaled_mm: the kernel against the torch ops, bit for bit
+from worker.model.fp8_gemm import quantize_rows, quantize_rows_reference
+for m, k, dtype in [(5, 300, "bfloat16"), (3, 4100, "bfloat16"), (4, 77, "float32")]:
+    x = (torch.randn(m, k, generator=gen) * torch.logspace(-3, 2, m)[:, None]).to(getattr(torch, dtype))
+    x[1, 5] = 0.0
+    if m > 3:
+        x[3] = 0.0                                   # an all-zero row: the scale's floor
+    q, s = quantize_rows(x)
+    rq, rs = quantize_rows_reference(x)
+    diff = q.view(torch.uint8) != rq.view(torch.uint8)
+    kq, rqf = q.float()[diff], rq.float()[diff]
+    out["quantize_rows"].append(dict(
+        case=[m, k, dtype], q_dtype=str(q.dtype), s_shape=list(s.shape), same_s=torch.equal(s, rs),
+        same_q_fraction=float(1 - diff.float().mean()),
+        # where they differ, the interpreter's fp32 -> e4m3 cast (not the kernel's arithmetic) rounds
+        # ties up or drops a carry into the next binade: within a factor of 2, same sign
+        within_a_binade=bool(((kq / rqf) >= 0.5).all() and ((kq / rqf) <= 1.25).all())))
 print(json.dumps(out))
 """
 
@@ -89,6 +106,15 @@ def test_fp8_linear_uses_the_kernel_for_few_rows_only(interpreted):
     assert d["reference_only"]["kernel_calls"] == 0
     for case in d.values():
         assert case["shape"][-1] == 24 and case["rel_err"] <= 1e-6, d
+
+
+def test_quantize_rows_kernel_gives_the_torch_ops_scales_and_values(interpreted):
+    cases = interpreted["quantize_rows"]
+    assert [c["case"][1] for c in cases] == [300, 4100, 77]       # one block, several blocks (4096 + 4), fp32
+    for c in cases:
+        assert c["q_dtype"] == "torch.float8_e4m3fn" and c["s_shape"] == [c["case"][0], 1], c
+        assert c["same_s"] and c["same_q_fraction"] > 0.95 and c["within_a_binade"], c
+    # (exact bits on the GPU: `python -m worker.kernel_check`, "fp8 activation quantisation")
 
 
 def test_refuses_a_weight_not_contiguous_along_k():

@@ -1,28 +1,40 @@
-"""Exact, faster forwards of transformers' Qwen3-VL vision tower for training (`fast_training_paths`):
-the same numbers as the library's own forwards, without its per-image Python loops."""
+"""Faster forwards of transformers' Qwen3-VL vision tower (`fast_vision_paths`): the same
+function as the library's own forwards (up to summation order), without its per-image Python
+loops. The demo recipe's training steps and the GPU runtime's prefill run inside it."""
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Callable
 
+import torch
 import torch.nn.functional as F
 
 
-def _vision_attention_batched(self, hidden_states, cu_seqlens, position_embeddings=None, **kwargs):
-    """Qwen3VLVisionAttention.forward for equal-length images in one SDPA call (transformers'
-    non-flash path loops over images; the math is the same block-diagonal attention)."""
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision  # heavy: training only
+def _equal_length(memo: list, cu_seqlens: torch.Tensor) -> int | None:
+    """The images' common length (None if they differ), read from the device once per tower
+    forward: every block gets the same cu_seqlens tensor, memo keeps the last one's answer."""
+    if memo[0] is not cu_seqlens:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        memo[:] = [cu_seqlens, lengths[0] if len(set(lengths)) == 1 else None]
+    return memo[1]
 
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+
+def _vision_attention_batched(self, hidden_states, cu_seqlens, position_embeddings=None, *, memo, **kwargs):
+    """Qwen3VLVisionAttention.forward for equal-length images in one SDPA call (transformers'
+    non-flash path loops over images, with a host sync per block; the math is the same
+    block-diagonal attention)."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision  # heavy
+
+    ln = _equal_length(memo, cu_seqlens)
     n = hidden_states.shape[0]
-    if not bool((lengths == lengths[0]).all()):
+    if ln is None:
         return type(self).forward(self, hidden_states, cu_seqlens, position_embeddings=position_embeddings,
                                   **kwargs)
     q, k, v = self.qkv(hidden_states).reshape(n, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
     cos, sin = position_embeddings
     q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
-    ln = int(lengths[0])
     q, k, v = (x.reshape(-1, ln, self.num_heads, x.shape[-1]).transpose(1, 2) for x in (q, k, v))
     o = F.scaled_dot_product_attention(q, k, v, scale=self.scaling)
     return self.proj(o.transpose(1, 2).reshape(n, -1))
@@ -49,8 +61,8 @@ def _equal_grid_position_ids(per_image: Callable) -> Callable:
     return position_ids
 
 
-class fast_training_paths:
-    """Context: exact, faster forwards for the vision tower's attention, patch embedding and rotary
+class fast_vision_paths:
+    """Context: faster forwards for the vision tower's attention, patch embedding and rotary
     position ids (instance attributes and one function of transformers' Qwen3-VL module, restored on
     exit; the weights and checkpoint layout are untouched)."""
 
@@ -58,10 +70,11 @@ class fast_training_paths:
         self.visual = model.vlm.model.visual
 
     def __enter__(self):
-        from transformers.models.qwen3_vl import modeling_qwen3_vl  # heavy: training only
+        from transformers.models.qwen3_vl import modeling_qwen3_vl  # heavy
 
         self.patched = [(self.visual.patch_embed, types.MethodType(_patch_embed_linear, self.visual.patch_embed))]
-        self.patched += [(b.attn, types.MethodType(_vision_attention_batched, b.attn)) for b in self.visual.blocks]
+        attention = functools.partial(_vision_attention_batched, memo=[None, None])
+        self.patched += [(b.attn, types.MethodType(attention, b.attn)) for b in self.visual.blocks]
         for mod, fn in self.patched:
             mod.forward = fn
         self.module, self.position_ids = modeling_qwen3_vl, modeling_qwen3_vl.get_vision_position_ids
