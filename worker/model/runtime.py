@@ -97,6 +97,15 @@ class SceneResult:
         return checker_disagreement(self.checker_trajectory, self.trajectories, self.checker_ade_m)
 
 
+WARMUP_FRAME_HW_CUDA = (1080, 1920)      # the fleet cameras' frames (full HD), as the 32B bench sends
+
+
+def warmup_frame_hw(device: torch.device) -> tuple[int, int]:
+    """Frame size of the warm-up scenes: full HD on CUDA, 64x64 elsewhere (the CPU serves the
+    small demo model, whose warm-up must stay cheap)."""
+    return WARMUP_FRAME_HW_CUDA if device.type == "cuda" else (64, 64)
+
+
 class InferenceError(Exception):
     def __init__(self, code: str, message: str):
         super().__init__(message)
@@ -515,9 +524,14 @@ class AlpamayoRuntime:
         context = min(CALIBRATION_CONTEXT, cache.capacity - block)
         self.speculator.calibrate(self.decoder, cache, buckets, context, self._banned_traj)
 
-    def warmup(self, k_values: list[int], image_size: tuple[int, int] = (64, 64)) -> None:
+    def warmup(self, k_values: list[int], image_size: tuple[int, int] | None = None) -> None:
         """Run one synthetic trajectory scene per K (untimed), so the first real request is not
-        slower; on CUDA also measure the speculator's step costs (`calibrate_speculation`)."""
+        slower; on CUDA also measure the speculator's step costs (`calibrate_speculation`).
+        Frames of `image_size`, by default `warmup_frame_hw`: on CUDA full-HD frames, so the
+        first real batch finds the prompt-size shapes compiled and tuned (Triton variants,
+        cuBLAS and cuDNN plans: the first 24-image batch of a worker warmed at 64x64 took about
+        15 s longer than the next ones on the H200)."""
+        image_size = image_size or warmup_frame_hw(self.device)
         rng = np.random.default_rng(0)
         n = 6 * 4
         for k in k_values:

@@ -361,3 +361,17 @@ def test_frames_are_staged_on_the_prep_pool_with_the_same_pixels(rt, monkeypatch
     again = rt.run([scene(1), scene(2)])
     assert [r.token_ids for r in first] == [r.token_ids for r in again]
     assert all(r.timings_ms["image_prep"] > 0 for r in first)
+
+
+def test_warmup_frames_are_full_hd_on_cuda_and_small_elsewhere(rt, monkeypatch):
+    """On the GPU the warm-up scene has the fleet's full-HD frames (its first real 24-image batch
+    otherwise compiled and tuned the prompt-size shapes: about 15 s on the H200); the CPU's stays
+    64x64. The warm-up runs one scene per K with frames of that size."""
+    from worker.model.runtime import warmup_frame_hw
+
+    assert warmup_frame_hw(torch.device("cuda")) == (1080, 1920)
+    assert warmup_frame_hw(torch.device("cpu")) == (64, 64)
+    seen = []
+    monkeypatch.setattr(rt, "run", lambda reqs: seen.extend((r.num_samples, r.frames.shape) for r in reqs))
+    rt.warmup([1, 3])
+    assert seen == [(1, (24, 64, 64, 3)), (3, (24, 64, 64, 3))]
