@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import msgspec
@@ -65,16 +66,44 @@ def kafka_path(opts, env: dict[str, str], reqs: list[S.InferRequest], timeout_s:
             ready = time.time()
             print(f"   worker ready; reading answers (log: {log_path})", flush=True)
             results, dead, missing = asyncio.run(collect_answers(opts, set(sent), timeout_s))
+            engine = engine_seconds(f"http://127.0.0.1:{env['ALPAMAYO_HTTP_PORT']}/metrics")
         finally:
             stop_worker(proc, timeout=120)
     last = max((at for _, at in results.values()), default=ready)
     first = min((at for _, at in results.values()), default=ready)
-    return len(results) / max(last - ready, 1e-9), results, dead, missing, first - ready
+    return len(results) / max(last - ready, 1e-9), results, dead, missing, first - ready, engine, last - ready
+
+
+def engine_seconds(metrics_url: str) -> dict[str, float]:
+    """The worker's engine-thread seconds per phase and its batch count, from its Prometheus
+    metrics -> {"infer": s, "output": s, "batches": n}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    out = {"infer": 0.0, "output": 0.0, "batches": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "alpamayo_engine_seconds_total":
+                out[sample.labels["phase"]] += sample.value
+            elif sample.name == "alpamayo_batch_size_count":
+                out["batches"] += sample.value
+    return out
+
+
+def engine_split(engine: dict[str, float], wall_s: float, alone_infer_s: float, alone_batches: int) -> str:
+    """"infer 9.8 + output 0.1 s per batch, busy 83% of the run; alone: infer 9.6 s per batch": an
+    engine slower per batch inside the worker points at contention for the host, a low busy
+    fraction at time lost between batches."""
+    n = max(engine["batches"], 1.0)
+    busy = (engine["infer"] + engine["output"]) / max(wall_s, 1e-9)
+    return (f"infer {engine['infer'] / n:.2f} + output {engine['output'] / n:.2f} s per batch, busy {busy:.0%} "
+            f"of the run; alone: infer {alone_infer_s / max(alone_batches, 1):.2f} s per batch")
 
 
 def engine_only(env: dict[str, str], reqs: list[S.InferRequest], batch: int):
     """The same records through the worker's intake (untimed) and engine in this process ->
-    (scenes/s, {request id: SceneResult})."""
+    (scenes/s, {request id: SceneResult}, seconds in the engine)."""
     from worker.config import load_settings
     from worker.engine import Engine, default_seed
     from worker.intake import Intake, Job, RawRecord
@@ -98,7 +127,7 @@ def engine_only(env: dict[str, str], reqs: list[S.InferRequest], batch: int):
         res = engine.infer([j.scene for j in part])
         wall += time.perf_counter() - t0
         out.update((j.request.request_id, r) for j, r in zip(part, res))
-    return len(jobs) / wall, out
+    return len(jobs) / wall, out, wall
 
 
 STAGES = ("prefill", "decode", "diffusion")
@@ -114,7 +143,7 @@ def stage_medians(results: dict, direct: dict) -> str:
 
 
 def table(kafka_sps: float, engine_sps: float, n: int, answered: int, dead: int, same_text: int, compared: int,
-          stages: str = "", first_answer_s: float | None = None) -> str:
+          stages: str = "", first_answer_s: float | None = None, engine: str = "") -> str:
     ratio = kafka_sps / engine_sps
     rows = [("Kafka-path scenes/s >= 0.95x the engine alone at the same batch",
              f"{kafka_sps:.3f} / {engine_sps:.3f} scenes/s = {ratio:.3f}x", ratio >= KAFKA_OVER_ENGINE),
@@ -123,6 +152,8 @@ def table(kafka_sps: float, engine_sps: float, n: int, answered: int, dead: int,
             ("reasoning identical to the engine alone's (informational)", f"{same_text} of {compared}", None)]
     if stages:
         rows.append(("median engine stage per scene, Kafka path / engine alone (informational)", stages, None))
+    if engine:
+        rows.append(("engine thread, Kafka path (informational)", engine, None))
     if first_answer_s is not None:
         rows.append(("first answer after the worker was ready (informational)", f"{first_answer_s:.1f} s", None))
     lines = ["| target | measured | status |", "|---|---|---|"]
@@ -163,18 +194,21 @@ def main(argv: list[str] | None = None) -> int:
                "ALPAMAYO_DEAD_LETTER_TOPIC": opts.dead_letter_topic, "ALPAMAYO_GROUP_ID": f"{run_id}-workers",
                "ALPAMAYO_HTTP_PORT": str(free_ports(1)[0]), "ALPAMAYO_HTTP_HOST": "127.0.0.1"}
         print(f"== 3. the worker ({os.environ.get('NIM_MODEL_PROFILE', 'bf16')}) through Kafka", flush=True)
-        kafka_sps, results, dead, missing, first_s = kafka_path(opts, env, reqs, args.timeout, out / "worker.log")
+        kafka_sps, results, dead, missing, first_s, engine, wall_s = kafka_path(opts, env, reqs, args.timeout,
+                                                                                out / "worker.log")
     finally:
         if kafka is not None:
             kafka.stop()
     print(f"   {kafka_sps:.3f} scenes/s; {len(results)} results, {len(dead)} dead letters, {len(missing)} unanswered",
           flush=True)
     print("== 4. the engine alone on the same records", flush=True)
-    engine_sps, direct = engine_only(env, reqs, args.batch)
+    engine_sps, direct, alone_s = engine_only(env, reqs, args.batch)
     compared = [rid for rid in results if rid in direct and direct[rid].error is None]
     same = sum(list(results[rid][0].metrics.reasoning_texts) == list(direct[rid].texts) for rid in compared)
     stages = stage_medians(results, direct) if results and direct else ""
-    text = table(kafka_sps, engine_sps, len(reqs), len(results), len(dead), same, len(compared), stages, first_s)
+    split = engine_split(engine, wall_s, alone_s, -(-len(reqs) // args.batch))
+    text = table(kafka_sps, engine_sps, len(reqs), len(results), len(dead), same, len(compared), stages, first_s,
+                 split)
     print("== 5. Kafka path against the engine alone\n" + text, flush=True)
     (out / "serve_bench.md").write_text(text + "\n")
     return 0 if "| missed |" not in text else 1

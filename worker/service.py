@@ -425,6 +425,7 @@ class WorkerService:
     def _run_batch(self, jobs: list[Job]) -> list[Output]:
         """Engine thread: infer, then build and encode each job's result (or dead letter)."""
         start = time.time()
+        t0 = time.perf_counter()
         try:
             results = self.engine.infer([j.scene for j in jobs])
             if len(results) != len(jobs):
@@ -441,7 +442,11 @@ class WorkerService:
                         results.extend(self.engine.infer([j.scene]))
                     except Exception as one:
                         results.append(one)
-        return [self._output(job, res, start) for job, res in zip(jobs, results, strict=True)]
+        t1 = time.perf_counter()
+        outputs = [self._output(job, res, start) for job, res in zip(jobs, results, strict=True)]
+        self.metrics.engine_seconds.labels(phase="infer").inc(t1 - t0)
+        self.metrics.engine_seconds.labels(phase="output").inc(time.perf_counter() - t1)
+        return outputs
 
     def _output(self, job: Job, res, start: float) -> Output:
         s = self.settings

@@ -37,6 +37,10 @@ def test_serve_bench_answers_every_request_and_compares_with_the_engine_alone(
     kafka_prefill, alone_prefill = map(float, re.search(r"prefill (\d+) / (\d+) ms, decode", text).groups())
     assert kafka_prefill > 0 and alone_prefill > 0
     assert re.search(r"\| first answer after the worker was ready \(informational\) \| [\d.]+ s \|", text)
+    # the worker's engine thread, from its Prometheus counters: 2 batches of 3, busy part of the run
+    infer, output, busy, alone = re.search(r"infer ([\d.]+) \+ output ([\d.]+) s per batch, busy (\d+)% of the run; "
+                                           r"alone: infer ([\d.]+) s per batch", text).groups()
+    assert float(infer) > 0 and float(alone) > 0 and 0 < int(busy) <= 100
 
 
 def test_send_requests_publishes_a_request_larger_than_the_producer_default(kafka_bootstrap):
