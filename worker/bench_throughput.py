@@ -8,8 +8,8 @@ precision profile (bf16, then the same weights quantised to fp8) and per batch s
             batch, errors injected), under the adaptive policy calibrated at warm-up
 Prints scenes/s per GPU with the per-stage split (image prep, prefill, reasoning, diffusion), the
 dflash2 / baseline speed ratio at each batch and the `Targets: throughput` table of issue 17; with
-`--demo CKPT --head HEAD` also dflash2 against the baseline on the demo checkpoint (batch 16, K=1
-and K=3, its real head: `demo_speed`).
+`--demo CKPT` also fp8 against bf16 on the demo checkpoint (`demo_fp8`), and with `--head HEAD`
+dflash2 against the baseline there (batch 16, K=1 and K=3, its real head: `demo_speed`).
 Each measured batch is preceded by untimed ones of one-image scenes at the same batch and K
 (CUDA graphs captured, the policy's acceptance learnt), so only steady-state work is timed.
 Budget on an H200 (32B shape, defaults): about 1 min to build the model, then ~3 min per profile.
@@ -288,6 +288,37 @@ def demo_speed(t: Table, checkpoint: str, head: str, n: int = 16) -> list[str]:
     return rows
 
 
+FP8_COSINE = 0.999          # issue 17: fp8 prefill logits against bf16's, every held-out scene
+FP8_SAME_REASONING = 0.80   # issue 17: scenes whose greedy reasoning fp8 writes exactly as bf16
+
+
+def demo_fp8(t: Table, checkpoint: str, n: int = 32) -> list[str]:
+    """The fp8 profile against bf16 on the demo checkpoint (n held-out scenes, K=1, greedy):
+    cosine of each scene's last-position prefill logits, and the scenes whose reasoning tokens
+    are identical -> target rows."""
+    from worker.dflash.train import demo_requests
+    from worker.model.runtime import AlpamayoRuntime
+
+    reqs = demo_requests(range(93_000_000, 93_000_000 + n))
+    runs = {}
+    for precision in ("bf16", "fp8"):
+        rt = AlpamayoRuntime.load(checkpoint, precision=precision)
+        logits = torch.stack([rt._prefill(rt._prepare(r), ())[0] for r in reqs]).double()
+        runs[precision] = (logits, [res.token_ids for res in rt.run(reqs)])
+        del rt
+    (lb, tb), (l8, t8) = runs["bf16"], runs["fp8"]
+    cos = torch.nn.functional.cosine_similarity(lb, l8, dim=-1)
+    same = sum(a == b for a, b in zip(tb, t8))
+    t.add("demo", f"fp8 vs bf16, demo checkpoint, {n} held-out scenes: prefill logits cosine",
+          f"min {float(cos.min()):.6f}, mean {float(cos.mean()):.6f}; largest logit difference "
+          f"{float((lb - l8).abs().max()):.3g}")
+    t.add("demo", f"fp8 vs bf16, demo checkpoint, {n} held-out scenes: identical greedy reasoning", f"{same}/{n}")
+    return [f"| fp8 vs bf16 on the demo checkpoint: prefill logits cosine >= {FP8_COSINE} ({n} held-out scenes, min) "
+            f"| {float(cos.min()):.5f} | {'met' if float(cos.min()) >= FP8_COSINE else 'missed'} |",
+            f"| fp8 vs bf16 on the demo checkpoint: identical greedy reasoning in >= {FP8_SAME_REASONING:.0%} of "
+            f"scenes | {same}/{n} | {'met' if same >= FP8_SAME_REASONING * n else 'missed'} |"]
+
+
 def main(args) -> int:
     """`python -m worker.bench --throughput ...` (worker/bench.py parses the arguments)."""
     gpu = torch.cuda.is_available()
@@ -297,10 +328,12 @@ def main(args) -> int:
     t = Table()
     t.add("setup", "device", torch.cuda.get_device_name(0) if gpu else "cpu")
     targets = throughput(t, args.shape, batches, k3, args.profiles.split(","), args.reps, args.new_tokens)
-    if args.demo and args.head:
+    if args.demo:
         if gpu:
             torch.cuda.empty_cache()
-        targets += "\n" + "\n".join(demo_speed(t, args.demo, args.head))
+        targets += "\n" + "\n".join(demo_fp8(t, args.demo))
+        if args.head:
+            targets += "\n" + "\n".join(demo_speed(t, args.demo, args.head))
     md = t.markdown() + "\n\n" + targets
     if args.out:
         Path(args.out).write_text(md + "\n")

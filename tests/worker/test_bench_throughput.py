@@ -19,3 +19,23 @@ def test_throughput_bench_runs_whole_scenes_and_prints_the_targets(tmp_path, cap
     assert len(rows) == 6 and all(r.endswith(("| met |", "| missed |")) for r in rows), rows
     assert "s (prep" in rows[0] and "not measured" in rows[1]          # batch 16 was not run
     assert "scenes/s" in capsys.readouterr().out
+
+
+def test_demo_fp8_compares_prefill_logits_and_reasoning_with_bf16():
+    """fp8 against bf16 on the shipped demo checkpoint (issue 17's rows), two held-out scenes on
+    the CPU (where fp8 is the e4m3 weights dequantised: close to, not equal to, the fp32 model)."""
+    import re
+
+    from worker import demo_cache
+    from worker.bench import Table
+    from worker.bench_throughput import FP8_COSINE, demo_fp8
+
+    t = Table()
+    rows = demo_fp8(t, str(demo_cache.shipped_dir() / "checkpoint"), n=2)
+    cos = float(re.search(rf"cosine >= {FP8_COSINE} \(2 held-out scenes, min\) \| ([\d.]+) \|", rows[0]).group(1))
+    assert 0.99 < cos <= 1.0
+    diff = float(re.search(r"largest logit difference ([\d.e+-]+)", t.markdown()).group(1))
+    assert diff > 0                               # quantised weights move the logits, a little
+    same = int(re.search(r"\| (\d)/2 \| (met|missed) \|$", rows[1]).group(1))
+    assert rows[1].endswith("| met |" if same >= 2 * 0.8 else "| missed |")
+    assert "identical greedy reasoning" in t.markdown()
