@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from worker.bench import Table, _sync, build_model, condition_successors, make_runtime, random_draft
+from worker.bench import Table, _sync, build_model, condition_successors, hf_generate, make_runtime, random_draft
 from worker.dflash.loop import DFlash2Speculator
 from worker.dflash.metrics import SpecStats, speculative_block
 from worker.dflash.oracle import OracleProposer, error_rate_for_tau
@@ -179,7 +179,16 @@ def throughput_targets(res: dict, batches: list[int]) -> str:
     def get(profile, b, k, mode="dflash2"):
         return res.get((profile, b, k), {}).get(mode)
 
+    steps = {p: res.get(("decode step", p)) for p in ("fp8", "bf16")}
+    r = steps["fp8"] / steps["bf16"] if steps["fp8"] and steps["bf16"] else None
+    row("fp8 decode step, batch 1: <= 0.55x the bf16 step (the warm-up calibration's steps)", r,
+        lambda v: v <= 0.55, f"{r:.2f}x ({steps['fp8'] * 1e3:.2f} / {steps['bf16'] * 1e3:.2f} ms)" if r else "")
     one = get("fp8", 1, 1)
+    hf = res.get("hf_eager_s_per_token")
+    r = res["reasoning_tokens"] / (one.reasoning_ms / 1e3) * hf if (one and hf) else None
+    row("fp8-dflash2 oracle tau=4, batch 1: reasoning tokens/s >= 25x HF generate eager (bf16)", r,
+        lambda v: v >= 25.0, f"{r:.1f}x ({res['reasoning_tokens'] / (one.reasoning_ms / 1e3):.0f} against "
+        f"{1 / hf:.1f} tokens/s)" if r else "")
     row("one scene, K=1, fp8-dflash2 at oracle tau=4, batch 1: <= 0.6 s end to end", one and one.wall_s,
         lambda v: v <= 0.6, f"{one.wall_s:.3f} s ({one.split()})" if one else "")
     b16 = get("fp8", 16, 1)
@@ -207,7 +216,7 @@ def throughput_targets(res: dict, batches: list[int]) -> str:
 
 
 def throughput(t: Table, shape: str, batches: list[int], k3: list[int], profiles: list[str],
-               reps: int, reasoning: int | None = None) -> str:
+               reps: int, reasoning: int | None = None, hf: bool = True) -> str:
     """Run the benchmark; -> the Markdown targets table (rows are printed through `t` as measured)."""
     gpu = torch.cuda.is_available()
     dev = torch.device("cuda" if gpu else "cpu")
@@ -227,8 +236,12 @@ def throughput(t: Table, shape: str, batches: list[int], k3: list[int], profiles
     rows_wanted = max([*batches, *[3 * b for b in k3]])
     max_rows = plan_rows(rt, capacity, rows_wanted)
     t.add("thru", f"{shape}: prompt / capacity / cache rows", f"{prompt} tokens / {capacity} columns / {max_rows} rows")
+    res = {"reasoning_tokens": reasoning}
+    if hf and "bf16" in profiles:              # transformers' own generate on the bf16 weights, this prompt's length
+        res["hf_eager_s_per_token"] = hf_generate(t, model, dev, prompt).get("eager")
+        if gpu:
+            torch.cuda.empty_cache()
     rt.enable_graphs(max_rows=max_rows, capacity=capacity)
-    res = {}
     for profile in profiles:
         if profile == "fp8":
             rt.graphs.clear()
@@ -242,6 +255,7 @@ def throughput(t: Table, shape: str, batches: list[int], k3: list[int], profiles
         rt.speculator = spec
         rt.calibrate_speculation()
         c1 = spec.policy.costs_for(1)
+        res[("decode step", profile)] = c1.decode
         t.add("thru", f"{profile}: warm-up calibration ({len(spec.policy.costs)} row buckets)",
               f"{time.perf_counter() - t0:.1f} s; batch 1: decode {c1.decode * 1e3:.2f} ms, verify(8) "
               f"{c1.verify[8] * 1e3:.2f} ms, draft {c1.draft * 1e3:.2f} ms")
@@ -327,7 +341,8 @@ def main(args) -> int:
                            "1" if args.quick or not gpu else "1,8").split(",") if x]
     t = Table()
     t.add("setup", "device", torch.cuda.get_device_name(0) if gpu else "cpu")
-    targets = throughput(t, args.shape, batches, k3, args.profiles.split(","), args.reps, args.new_tokens)
+    targets = throughput(t, args.shape, batches, k3, args.profiles.split(","), args.reps, args.new_tokens,
+                         hf=not args.skip_hf)
     if args.demo:
         if gpu:
             torch.cuda.empty_cache()

@@ -2,6 +2,8 @@
 baseline vs dflash2 (oracle tau=4) after fp8 quantisation, and the targets table (the GPU run
 adds the bf16 profile, K=3 and larger batches: the same code)."""
 
+import re
+
 from worker.bench import main
 
 
@@ -16,16 +18,31 @@ def test_throughput_bench_runs_whole_scenes_and_prints_the_targets(tmp_path, cap
     table = md[md.index("### Targets: throughput"):].splitlines()
     assert table[2] == "| target | measured | status |"
     rows = [r for r in table[4:] if r.startswith("|")]
-    assert len(rows) == 6 and all(r.endswith(("| met |", "| missed |")) for r in rows), rows
-    assert "s (prep" in rows[0] and "not measured" in rows[1]          # batch 16 was not run
+    assert len(rows) == 8 and all(r.endswith(("| met |", "| missed |")) for r in rows), rows
+    assert "fp8 decode step" in rows[0] and "not measured" in rows[0]   # no bf16 profile in this run
+    assert "HF generate eager" in rows[1] and "not measured" in rows[1]
+    assert "s (prep" in rows[2] and "not measured" in rows[3]          # batch 16 was not run
     assert "scenes/s" in capsys.readouterr().out
+
+
+def test_throughput_bench_with_both_profiles_compares_fp8_and_bf16_steps_and_hf_generate(tmp_path):
+    out = tmp_path / "thru.md"
+    assert main(["--throughput", "--shape", "tiny", "--batches", "1", "--k3-batches", "", "--profiles", "bf16,fp8",
+                 "--new-tokens", "4", "--out", str(out)]) == 0
+    md = out.read_text()
+    assert "| HF | generate eager, batch 1, context " in md
+    rows = md[md.index("### Targets: throughput"):].splitlines()[4:]
+    fp8_step, bf16_step = map(float, re.search(r"fp8 decode step.*\| ([\d.]+)x \(([\d.]+) / ([\d.]+) ms\)",
+                                              rows[0]).groups()[1:])
+    assert fp8_step > 0 and bf16_step > 0
+    ratio, ours, theirs = re.search(r"HF generate eager \(bf16\) \| ([\d.]+)x \((\d+) against ([\d.]+) tokens/s\)",
+                                    rows[1]).groups()
+    assert abs(float(ratio) - float(ours) / float(theirs)) <= 0.05 * float(ratio) + 0.1
 
 
 def test_demo_fp8_compares_prefill_logits_and_reasoning_with_bf16():
     """fp8 against bf16 on the shipped demo checkpoint (issue 17's rows), two held-out scenes on
     the CPU (where fp8 is the e4m3 weights dequantised: close to, not equal to, the fp32 model)."""
-    import re
-
     from worker import demo_cache
     from worker.bench import Table
     from worker.bench_throughput import FP8_COSINE, demo_fp8
