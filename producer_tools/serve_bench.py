@@ -91,14 +91,19 @@ def engine_seconds(metrics_url: str) -> dict[str, float]:
     return out
 
 
-def engine_split(engine: dict[str, float], wall_s: float, alone_infer_s: float, alone_batches: int) -> str:
+def engine_split(engine: dict[str, float], wall_s: float, alone_infer_s: float, alone_batches: int,
+                 untimed: tuple[float, float] | None = None) -> str:
     """"infer 9.8 + output 0.1 s per batch, busy 83% of the run; alone: infer 9.6 s per batch": an
     engine slower per batch inside the worker points at contention for the host, a low busy
-    fraction at time lost between batches."""
+    fraction at time lost between batches. `untimed`: seconds per batch of infer outside the timed
+    stages (Kafka path, alone)."""
     n = max(engine["batches"], 1.0)
     busy = (engine["infer"] + engine["output"]) / max(wall_s, 1e-9)
-    return (f"infer {engine['infer'] / n:.2f} + output {engine['output'] / n:.2f} s per batch, busy {busy:.0%} "
+    text = (f"infer {engine['infer'] / n:.2f} + output {engine['output'] / n:.2f} s per batch, busy {busy:.0%} "
             f"of the run; alone: infer {alone_infer_s / max(alone_batches, 1):.2f} s per batch")
+    if untimed:
+        text += f"; infer outside the timed stages {untimed[0]:.2f} / {untimed[1]:.2f} s per batch"
+    return text
 
 
 def engine_only(env: dict[str, str], reqs: list[S.InferRequest], batch: int):
@@ -133,13 +138,19 @@ def engine_only(env: dict[str, str], reqs: list[S.InferRequest], batch: int):
 STAGES = ("prefill", "decode", "diffusion")
 
 
-def stage_medians(results: dict, direct: dict) -> str:
+def stage_medians(results: dict, direct: dict) -> tuple[str, dict[str, float], dict[str, float]]:
     """Median per-scene engine stage times, Kafka path / engine alone ("prefill 410 / 402 ms, ..."):
     a stage slower inside the worker points at contention for the host (the engine thread shares
-    the process with intake and the Kafka clients); equal stages point at time lost between batches."""
+    the process with intake and the Kafka clients); equal stages point elsewhere (`engine_split`).
+    -> (text, {stage: ms} Kafka path, {stage: ms} alone)."""
     kafka = {s: statistics.median(getattr(r.metrics.timings, f"{s}_ms") for r, _ in results.values()) for s in STAGES}
     alone = {s: statistics.median(r.timings_ms.get(s, 0.0) for r in direct.values()) for s in STAGES}
-    return ", ".join(f"{s} {kafka[s]:.0f} / {alone[s]:.0f} ms" for s in STAGES)
+    return ", ".join(f"{s} {kafka[s]:.0f} / {alone[s]:.0f} ms" for s in STAGES), kafka, alone
+
+
+def batch_stage_s(ms: dict[str, float], scenes_per_batch: float) -> float:
+    """Seconds of timed stages in one batch: each scene's prefill, the batch's decode and diffusion."""
+    return (scenes_per_batch * ms["prefill"] + ms["decode"] + ms["diffusion"]) / 1e3
 
 
 def table(kafka_sps: float, engine_sps: float, n: int, answered: int, dead: int, same_text: int, compared: int,
@@ -205,8 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     engine_sps, direct, alone_s = engine_only(env, reqs, args.batch)
     compared = [rid for rid in results if rid in direct and direct[rid].error is None]
     same = sum(list(results[rid][0].metrics.reasoning_texts) == list(direct[rid].texts) for rid in compared)
-    stages = stage_medians(results, direct) if results and direct else ""
-    split = engine_split(engine, wall_s, alone_s, -(-len(reqs) // args.batch))
+    stages, untimed = "", None
+    alone_batches = -(-len(reqs) // args.batch)
+    if results and direct:
+        stages, kafka_ms, alone_ms = stage_medians(results, direct)
+        n_kafka = max(engine["batches"], 1.0)
+        untimed = (engine["infer"] / n_kafka - batch_stage_s(kafka_ms, len(results) / n_kafka),
+                   alone_s / alone_batches - batch_stage_s(alone_ms, len(direct) / alone_batches))
+    split = engine_split(engine, wall_s, alone_s, alone_batches, untimed)
     text = table(kafka_sps, engine_sps, len(reqs), len(results), len(dead), same, len(compared), stages, first_s,
                  split)
     print("== 5. Kafka path against the engine alone\n" + text, flush=True)

@@ -41,6 +41,7 @@ def test_serve_bench_answers_every_request_and_compares_with_the_engine_alone(
     infer, output, busy, alone = re.search(r"infer ([\d.]+) \+ output ([\d.]+) s per batch, busy (\d+)% of the run; "
                                            r"alone: infer ([\d.]+) s per batch", text).groups()
     assert float(infer) > 0 and float(alone) > 0 and 0 < int(busy) <= 100
+    assert re.search(r"infer outside the timed stages -?[\d.]+ / -?[\d.]+ s per batch", text)
 
 
 def test_send_requests_publishes_a_request_larger_than_the_producer_default(kafka_bootstrap):
