@@ -133,17 +133,26 @@ async def run_zombie(broker: Broker, *, scenes: int = 40, guarantee: str = "exac
             if not answered_by_b:
                 f.failures.append("worker B did not answer the run while A was paused")
             f.extra["paused"] = f"{time.monotonic() - t_stop:.1f}s (session timeout {SESSION_TIMEOUT_S:.0f}s)"
+            seen = len(_logs(a))                      # A's log so far: the revoke lines of the initial split
             os.kill(a_pid, signal.SIGCONT)
             a.supervise = True                        # a fenced zombie exits; restarted as a pod would be
             t_cont = time.monotonic()
+            # A's late work ends one of two ways, both safe: it meets B's producers and is fenced (A
+            # exits), or A's rebalance callback runs first, revokes the partitions and discards it
+            # unpublished (A stays up: no need to wait out ZOMBIE_EXIT_WAIT_S for an exit)
+            revoked_at = None
             while time.monotonic() - t_cont < ZOMBIE_EXIT_WAIT_S and not a.unplanned_exits:
-                await asyncio.sleep(0.2)             # A resumes: its late transaction meets B's producers
-            exited = f"exited {a.exit_codes} after {time.monotonic() - t_cont:.0f}s" if a.unplanned_exits else \
-                f"still running {ZOMBIE_EXIT_WAIT_S:.0f}s after SIGCONT"
-            # A's late work ends one of two ways, both safe: it meets B's producers and is fenced,
-            # or A's rebalance callback runs first, revokes the partitions and discards it unpublished
-            fenced = FENCED.search(_logs(a))
-            revoked = REVOKED.search(_logs(a))
+                tail = _logs(a)[seen:]
+                if not FENCED.search(tail) and REVOKED.search(tail):     # fenced: wait for its exit
+                    revoked_at = revoked_at or time.monotonic()
+                    if time.monotonic() - revoked_at > 3.0:              # no late transaction after it
+                        break
+                await asyncio.sleep(0.2)
+            waited = time.monotonic() - t_cont
+            exited = f"exited {a.exit_codes} after {waited:.0f}s" if a.unplanned_exits else \
+                f"still running {waited:.0f}s after SIGCONT"
+            fenced = FENCED.search(_logs(a)[seen:])
+            revoked = REVOKED.search(_logs(a)[seen:])
             f.extra["zombie after SIGCONT"] = (f"fenced ({fenced.group(0)}), {exited}" if fenced else
                                                f"no late transaction: its partitions revoked first ({revoked.group(0)}),"
                                                f" {exited}" if revoked else f"neither fenced nor revoked, {exited}")

@@ -18,13 +18,22 @@ from producer_tools.chaos.figures import format_table
 from producer_tools.chaos.takeover import run_same_host, run_zombie
 
 
-async def test_zombie_paused_past_the_session_timeout_is_fenced(kafka_bootstrap, tmp_path):
+async def test_zombie_paused_past_the_session_timeout_never_publishes_its_late_work(kafka_bootstrap, tmp_path):
+    """A resumes with a batch in hand; which comes first after SIGCONT is a race of A's own threads,
+    and both endings are safe (the harness's docstring): its late transaction meets B's producers
+    and is fenced (A exits 1 and is restarted), or its rebalance callback revokes the partitions and
+    the late work is discarded unpublished (A stays up). The fence itself is shown deterministically
+    by tests/worker/test_partition_producers.py."""
     fig = await run_zombie(Broker(kafka_bootstrap), scenes=24, work=tmp_path, timeout=240)
     print("\n" + format_table([fig]), fig.extra)
     assert fig.published == 24 and fig.lost == 0 and fig.answered == 24
     assert fig.duplicated == 0 and fig.lake_duplicates == 0
-    assert fig.extra["zombie after SIGCONT"].startswith("fenced") and "exited [1]" in fig.extra["zombie after SIGCONT"]
-    assert fig.unplanned_exits == 1, fig.extra          # the fenced zombie stopped by itself
+    after = fig.extra["zombie after SIGCONT"]
+    if after.startswith("fenced"):
+        assert "exited [1]" in after and fig.unplanned_exits == 1, fig.extra    # stopped by itself
+    else:
+        assert after.startswith("no late transaction: its partitions revoked first"), fig.extra
+        assert "still running" in after and fig.unplanned_exits == 0, fig.extra
     assert fig.final_exit_code == 0 and fig.ok, fig.failures
 
 
