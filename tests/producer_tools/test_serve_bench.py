@@ -29,10 +29,13 @@ def test_serve_bench_answers_every_request_and_compares_with_the_engine_alone(
     assert "| every request answered with a result | 6 of 6 (0 dead letters) | met |" in text
     # the Kafka path writes what the engine alone writes for the same records
     assert "| reasoning identical to the engine alone's (informational) | 6 of 6 | - |" in text
-    kafka_sps, engine_sps, ratio = map(float, re.search(
-        r"\| ([\d.]+) / ([\d.]+) scenes/s = ([\d.]+)x \| (met|missed) \|", text).groups()[:3])
+    found = re.search(r"\| ([\d.]+) / ([\d.]+) scenes/s = ([\d.]+)x \| (met|missed) \|", text)
+    kafka_sps, engine_sps, ratio = map(float, found.groups()[:3])
     assert kafka_sps > 0 and engine_sps > 0 and abs(ratio - kafka_sps / engine_sps) < 2e-3
-    assert code == (0 if ratio >= serve_bench.KAFKA_OVER_ENGINE else 1)
+    # the status follows the unrounded ratio (CI once printed 0.950x for a ratio just under the bar)
+    if abs(ratio - serve_bench.KAFKA_OVER_ENGINE) > 5e-4:
+        assert found.group(4) == ("met" if ratio >= serve_bench.KAFKA_OVER_ENGINE else "missed")
+    assert code == (0 if found.group(4) == "met" else 1)
     # where the Kafka path's time goes: engine stages inside the worker against the engine alone
     kafka_prefill, alone_prefill = map(float, re.search(r"prefill (\d+) / (\d+) ms, decode", text).groups())
     assert kafka_prefill > 0 and alone_prefill > 0
