@@ -95,8 +95,9 @@ def engine_split(engine: dict[str, float], wall_s: float, alone_infer_s: float, 
                  untimed: tuple[float, float] | None = None) -> str:
     """"infer 9.8 + output 0.1 s per batch, busy 83% of the run; alone: infer 9.6 s per batch": an
     engine slower per batch inside the worker points at contention for the host, a low busy
-    fraction at time lost between batches. `untimed`: seconds per batch of infer outside the timed
-    stages (Kafka path, alone)."""
+    fraction at time lost between batches (the run's clock starts when the harness sees the worker
+    ready, polled, so a short run can show a little over 100%). `untimed`: seconds per batch of
+    infer outside the timed stages (Kafka path, alone)."""
     n = max(engine["batches"], 1.0)
     busy = (engine["infer"] + engine["output"]) / max(wall_s, 1e-9)
     text = (f"infer {engine['infer'] / n:.2f} + output {engine['output'] / n:.2f} s per batch, busy {busy:.0%} "

@@ -43,7 +43,9 @@ def test_serve_bench_answers_every_request_and_compares_with_the_engine_alone(
     # the worker's engine thread, from its Prometheus counters: 2 batches of 3, busy part of the run
     infer, output, busy, alone = re.search(r"infer ([\d.]+) \+ output ([\d.]+) s per batch, busy (\d+)% of the run; "
                                            r"alone: infer ([\d.]+) s per batch", text).groups()
-    assert float(infer) > 0 and float(alone) > 0 and 0 < int(busy) <= 100
+    # (the run's clock starts when the harness sees the worker ready, polled: a worker that began
+    # the backlog a moment earlier can show a little over 100%)
+    assert float(infer) > 0 and float(alone) > 0 and 0 < int(busy) <= 125
     assert re.search(r"infer outside the timed stages -?[\d.]+ / -?[\d.]+ s per batch", text)
 
 
