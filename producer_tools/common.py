@@ -15,6 +15,7 @@ import datetime as _dt
 import os
 import secrets
 import sys
+import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, NoReturn
@@ -106,6 +107,25 @@ def client_kwargs(opts: KafkaOptions) -> dict[str, Any]:
     """Keyword arguments for any aiokafka client (producer, consumer, admin): the bootstrap
     servers plus the worker's own security settings (worker.kafka_clients.security_kwargs)."""
     return {"bootstrap_servers": opts.bootstrap_servers, **security_kwargs(opts)}
+
+
+def metric_sum(base_url: str | None, prefix: str) -> float:
+    """Sum of a worker's Prometheus samples whose line starts with `prefix` (a metric name, with
+    the opening of a label set to pick series: 'alpamayo_engine_seconds_total{phase="infer"'), read
+    from `base_url`/v1/metrics; 0.0 when the worker does not answer."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/v1/metrics", timeout=3) as r:
+            text = r.read().decode()
+    except (OSError, TypeError, ValueError):
+        return 0.0
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            try:
+                total += float(line.split()[-1])
+            except ValueError:
+                pass
+    return total
 
 
 # --------------------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ import os
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import msgspec
@@ -32,10 +31,11 @@ import schemas as S
 from deploy.local.cluster import LocalKafka
 from deploy.local.host import free_ports
 from producer_tools.answers import collect_answers, send_requests
-from producer_tools.common import kafka_options, new_run_id
+from producer_tools.common import kafka_options, metric_sum, new_run_id
 from producer_tools.publish import run_request
 from producer_tools.scene_sources import iter_synthetic
 from producer_tools.topics import create_topics, plan_topics
+from worker.metrics import ENGINE_PHASES
 from worker.process import spawn_worker, stop_worker, wait_ready
 
 KAFKA_OVER_ENGINE = 0.95        # the bar: Kafka-path scenes/s over the engine alone's
@@ -66,7 +66,7 @@ def kafka_path(opts, env: dict[str, str], reqs: list[S.InferRequest], timeout_s:
             ready = time.time()
             print(f"   worker ready; reading answers (log: {log_path})", flush=True)
             results, dead, missing = asyncio.run(collect_answers(opts, set(sent), timeout_s))
-            engine = engine_seconds(f"http://127.0.0.1:{env['ALPAMAYO_HTTP_PORT']}/metrics")
+            engine = engine_seconds(f"http://127.0.0.1:{env['ALPAMAYO_HTTP_PORT']}")
         finally:
             stop_worker(proc, timeout=120)
     last = max((at for _, at in results.values()), default=ready)
@@ -74,21 +74,11 @@ def kafka_path(opts, env: dict[str, str], reqs: list[S.InferRequest], timeout_s:
     return len(results) / max(last - ready, 1e-9), results, dead, missing, first - ready, engine, last - ready
 
 
-def engine_seconds(metrics_url: str) -> dict[str, float]:
+def engine_seconds(base_url: str) -> dict[str, float]:
     """The worker's engine-thread seconds per phase and its batch count, from its Prometheus
     metrics -> {"infer": s, "output": s, "batches": n}."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
-        text = resp.read().decode()
-    out = {"infer": 0.0, "output": 0.0, "batches": 0.0}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "alpamayo_engine_seconds_total":
-                out[sample.labels["phase"]] += sample.value
-            elif sample.name == "alpamayo_batch_size_count":
-                out["batches"] += sample.value
-    return out
+    out = {phase: metric_sum(base_url, f'alpamayo_engine_seconds_total{{phase="{phase}"') for phase in ENGINE_PHASES}
+    return {**out, "batches": metric_sum(base_url, "alpamayo_batch_size_count")}
 
 
 def engine_split(engine: dict[str, float], wall_s: float, alone_infer_s: float, alone_batches: int,

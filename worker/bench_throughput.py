@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from worker.bench import Table, _sync, build_model, condition_successors, hf_generate, make_runtime, random_draft
+from worker.bench import Table, _sync, build_model, condition_successors, hf_generate, make_runtime, random_draft, timeit
 from worker.dflash.loop import DFlash2Speculator
 from worker.dflash.metrics import SpecStats, speculative_block
 from worker.dflash.oracle import OracleProposer, error_rate_for_tau
@@ -140,8 +140,8 @@ def measure_batch(t: Table, rt, spec: DFlash2Speculator, profile: str, b: int, k
         # page-lock this batch's frame sets once, untimed, as the runtime's staging does: torch's
         # caching host allocator keeps the blocks, so neither timed run pays for new ones (the
         # baseline, timed first, paid 8.9-14.1 s of "prep" at batch 16 on the H200 without this)
-        pinned = [torch.from_numpy(r.frames).pin_memory() for r in reqs]
-        del pinned
+        pinned = [torch.from_numpy(r.frames).pin_memory() for r in reqs]      # all held at once, then freed
+        pinned.clear()
     rt.speculator = None
     out["baseline"], base_res = timed_run(rt, reqs, reps)
     rt.speculator = spec
@@ -382,14 +382,7 @@ def profile_prefill(image_hw: tuple[int, int] | None = None, shape: str = "32b",
              f"patches in {len(grid)} images"]
 
     def wall(fn) -> float:
-        times = []
-        for _ in range(3):
-            _sync()
-            t0 = time.perf_counter()
-            fn()
-            _sync()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        return timeit(fn, warmup=0, reps=3) * 1e3
 
     ids = p.input_ids[None].to(dev)
     pos = p.positions[:, None].to(dev)

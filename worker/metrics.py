@@ -16,7 +16,7 @@ from schemas import TASKS, ErrorCode
 
 disable_created_metrics()   # only the series the seed names: *_total, no *_created
 
-__all__ = ["WorkerMetrics", "CONTENT_TYPE_LATEST", "STAGES", "SPEC_METHOD"]
+__all__ = ["WorkerMetrics", "CONTENT_TYPE_LATEST", "STAGES", "SPEC_METHOD", "ENGINE_PHASES"]
 
 STAGES = ("queue", "image_prep", "prefill", "decode", "diffusion", "total")
 SPEC_METHOD = "dflash2"

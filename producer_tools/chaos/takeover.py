@@ -31,6 +31,7 @@ from producer_tools.chaos.broker import Broker
 from producer_tools.chaos.figures import Figures
 from producer_tools.chaos.pipeline import DEFAULT_PARTITIONS, Pipeline, _work_dir
 from producer_tools.chaos.processes import Managed, _http_text, make_worker
+from producer_tools.common import metric_sum
 
 log = logging.getLogger("alpamayo.chaos")
 
@@ -48,18 +49,6 @@ def second_worker(pl: Pipeline, name: str, **env: str) -> Managed:
                     batch_size=pl.batch_size, device=pl.device, extra={**pl.worker_extra, **env})
     w.name = name
     return w
-
-
-def _metric_sum(url: str | None, name: str) -> float:
-    text = _http_text(url + "/v1/metrics") if url else None
-    total = 0.0
-    for line in (text or "").splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            try:
-                total += float(line.split()[-1])
-            except ValueError:
-                pass
-    return total
 
 
 def _cpu_ticks(pid: int) -> int:
@@ -183,7 +172,7 @@ async def run_same_host(broker: Broker, *, scenes: int = 40, guarantee: str = "e
             await _start_both(pl, b, timeout)
             await pl.publish(0, scenes)
             await pl.settle(timeout)
-            served = [_metric_sum(w.ready_url(), "alpamayo_results_total{") if w.alive else 0.0
+            served = [metric_sum(w.ready_url(), "alpamayo_results_total{") if w.alive else 0.0
                       for w in (pl.worker, b)]
             f.extra["results per worker"] = [int(x) for x in served]
             if not all(served):

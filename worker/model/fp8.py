@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.model.fp8_gemm import E4M3_MAX, fp8_linear, fp8_linear_reference, quantize_rows
+from worker.model.fp8_gemm import fp8_linear, fp8_linear_reference, quantize_rows, quantize_rows_reference
 from worker.model.fused_ops import available
 
 # Up to this many rows the weight-only kernel runs (its time is the weight's bytes, about half
@@ -33,9 +33,8 @@ def _has_fp8_mm(device: torch.device) -> bool:
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, in) weight -> (its e4m3 values (out, in), fp32 scale per output channel (out,))."""
-    w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / E4M3_MAX).clamp(min=1e-12)
-    return (w / scale[:, None]).to(torch.float8_e4m3fn).contiguous(), scale
+    w8, scale = quantize_rows_reference(weight.detach().float())
+    return w8.contiguous(), scale[:, 0]
 
 
 class Fp8Linear(nn.Module):
