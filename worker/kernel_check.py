@@ -131,8 +131,8 @@ def _replayed(fn, like: torch.Tensor) -> torch.Tensor:
 
 def check_fp8_linear(shape: dict, dtype, dev, gen) -> list[tuple[str, str, float, float]]:
     """The weight-only fp8 product at each weight shape and FP8_ROWS rows against fp64 of the
-    dequantised product; a second launch (on the GPU: captured in a CUDA graph and replayed)
-    must give the same bits."""
+    dequantised product, and the same kernel on a plain weight at 1 and 8 rows; a second launch
+    (on the GPU: captured in a CUDA graph and replayed) must give the same bits."""
     rows = []
     for name, n, k in shape["linear"]:
         w8, scale = quantize_weight(torch.randn(n, k, device=dev, generator=gen))
@@ -145,6 +145,15 @@ def check_fp8_linear(shape: dict, dtype, dev, gen) -> list[tuple[str, str, float
             err = rel_err(out, x.double() @ w64.t()) if same else (float("nan"), float("nan"))
             rows.append((f"fp8 weight-only {name}", f"M {m}, {k} -> {n}", *err))
         del w64
+        # the same kernel on a plain weight of the activation dtype, stored (N, K) (`layers.project`)
+        w = torch.randn(n, k, device=dev, generator=gen).to(dtype)
+        for m in (1, 8):
+            x = torch.randn(m, k, device=dev, generator=gen).to(dtype)
+            out = torch.full((m, n), float("nan"), device=dev, dtype=dtype)
+            fp8_linear(x, w, None, out=out)
+            same = torch.equal(out, _replayed(lambda o: fp8_linear(x, w, None, out=o), out))
+            err = rel_err(out, x.double() @ w.double().t()) if same else (float("nan"), float("nan"))
+            rows.append((f"{str(dtype)[6:]} weight {name}", f"M {m}, {k} -> {n}", *err))
     if dev.type == "cuda":        # (Triton's interpreter rounds some fp32 -> e4m3 casts down a binade)
         for m, k in ((4623, shape["hidden"]), (301, shape["intermediate"])):
             x = (torch.randn(m, k, device=dev, generator=gen) * 3).to(dtype)
@@ -189,7 +198,9 @@ def check_model(shape: str, dtype, dev, gen) -> list[tuple[str, float, float]]:
     model, cfg, tok = build_model(shape, dev, dtype)
     rt = make_runtime(model, cfg, tok, dev, dtype)
     rows, cap = 3, 160
-    out, (cache, ref_cache, delta) = check_decoder_steps(rt, "", rows, cap, dtype, dev, gen)
+    out = check_decoder_steps(rt, "1 row: ", 1, cap, dtype, dev, gen)[0]      # one-row products (gemv form)
+    step_rows, (cache, ref_cache, delta) = check_decoder_steps(rt, "", rows, cap, dtype, dev, gen)
+    out += step_rows
     # expert: 64 action columns after each row's offset
     x = torch.randn(rows, rt.expert.num_waypoints, 2, device=dev, generator=gen)
     tt = torch.rand(rows, 1, 1, device=dev, generator=gen)

@@ -12,9 +12,8 @@ query tiles); each program loads the G*T queries of one KV head (grouped-query h
 K/V, read once), streams its split of live keys with an online softmax, and writes a partial
 output and log-sum-exp; a second kernel merges the splits. Launches with about one program per
 multiprocessor or more (rows x KV heads) do not split and write the output directly. Splits past a row's live length do no
-work, so a CUDA graph captured at the cache capacity still reads only live keys. The split count
-depends on rows, KV heads and capacity only (never on T), so verify(8) and decode(1) sum a
-position's keys in the same order.
+work, so a CUDA graph captured at the cache capacity still reads only live keys. Tiles of more
+than 16 query rows (verify(8), the draft's block) use fewer, longer splits (`split_plan`).
 
 Elsewhere (CPU, tests) `attend_reference` is the masked matmul over the same keys.
 
@@ -26,11 +25,13 @@ from __future__ import annotations
 
 import torch
 
-from worker.model.fused_ops import available
+from worker.model.fused_ops import available, launch_args
 
 try:                                   # Triton ships with CUDA builds of torch; CPU installs may lack it
     import triton
     import triton.language as tl
+
+    from worker.model.fused_ops import gdc_enter
 except ImportError:                    # pragma: no cover - exercised only on Triton-less installs
     triton = None
 
@@ -78,7 +79,8 @@ if triton is not None:
                       qk_scale,
                       T: tl.constexpr, G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                       SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                      DIRECT: tl.constexpr):
+                      DIRECT: tl.constexpr, GDC: tl.constexpr):
+        gdc_enter(GDC)
         pid_bh = tl.program_id(0)
         pid_s = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -137,7 +139,8 @@ if triton is not None:
     def _merge_kernel(OPART, LPART, KVLEN, OUT,
                       so_b, so_h, so_t, so_s, sl_b, sl_h, sl_t, sout_b, sout_t, sout_h,
                       HQ: tl.constexpr, T: tl.constexpr, D: tl.constexpr, SPLIT,
-                      S_MAX: tl.constexpr, TB: tl.constexpr):
+                      S_MAX: tl.constexpr, TB: tl.constexpr, GDC: tl.constexpr):
+        gdc_enter(GDC)
         pid = tl.program_id(0)                   # (b, hq); TB of the T queries in turn
         hq = pid % HQ
         b = pid // HQ
@@ -159,35 +162,48 @@ if triton is not None:
 
 
 _SMS = 132                      # an H100/H200's multiprocessors
+# keys per step where the queries of a KV head span several tiles (the expert: 8 rows, 64 tokens,
+# 2 heads per KV head), 2-byte K/V: 57.9 against 62.2 us with 64 keys (H200, 2026-12-01; the
+# expert loop 98.4-98.8 against 100.1-111.9 ms)
+TILED_BLOCK_N = 128
 _MAX_SPLITS = 64
 
 
-def split_plan(rows: int, kv_heads: int, m_tiles: int, capacity: int, block_n: int) -> tuple[int, int]:
+WIDE_SPLIT_KEYS = 1024          # fewest keys per split for tiles of more than 16 query rows (verify(8), the
+                                # draft's block): their fp32 partials are 8x larger; at batch 1 the verify
+                                # step measured 18.10 ms with 8 splits against 19.75 with 33 (H200, 2026-12-01)
+
+
+def split_plan(rows: int, kv_heads: int, m_tiles: int, capacity: int, block_n: int,
+               query_rows: int = 1) -> tuple[int, int]:
     """-> (split size in keys, number of splits) for a launch over `capacity` cache columns.
 
     About one program per multiprocessor or more without splitting: one split, no merge kernel.
-    Fewer programs than that: split the keys so that about 2 waves of programs run."""
+    Fewer programs than that: split the keys so that about 2 waves of programs run, each split at
+    least WIDE_SPLIT_KEYS keys where a tile holds more than 16 query rows."""
     programs = rows * kv_heads * m_tiles
     want = 1 if programs >= _SMS - 8 else -(-2 * _SMS // programs)
     if m_tiles >= 2:                     # several query tiles per KV head (the expert): fastest unsplit
         want = 1
+    if query_rows > 16:
+        want = min(want, max(1, capacity // WIDE_SPLIT_KEYS))
     splits = max(1, min(want, _MAX_SPLITS, -(-capacity // block_n)))
     size = -(-(-(-capacity // splits)) // block_n) * block_n
     return size, -(-capacity // size)
 
 
 def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: torch.Tensor,
-                    causal: bool, out: torch.Tensor | None = None, *, block_n: int = 64,
+                    causal: bool, out: torch.Tensor | None = None, *, block_n: int | None = None,
                     num_stages: int | None = None, splits: int | None = None,
-                    block_m: int | None = None) -> torch.Tensor:
+                    block_m: int | None = None, warps: int | None = None) -> torch.Tensor:
     """softmax(q K^T / sqrt(D)) V over keys [0, kv_len[b]) of each row (causal: query t of T stops
     at kv_len[b] - T + t), grouped-query heads reading their KV head once.
 
     q (B, T, Hq, D) (any strides with D contiguous); k_cache, v_cache (>= B, Hkv, L, D) with D
     contiguous; kv_len (B,) integer -> (B, T, Hq, D) in q's dtype (or written into `out`).
     Triton kernel where `fused_ops.available` (a GPU, or Triton's interpreter); `attend_reference`
-    otherwise. block_n, num_stages, splits
-    and block_m (query rows per tile) override the launch configuration (the kernel check's sweep).
+    otherwise. block_n, num_stages, splits, block_m (query rows per tile) and warps override the
+    launch configuration (the kernel check's sweep).
     """
     if not available(q):
         res = attend_reference(q, k_cache[:q.shape[0]], v_cache[:q.shape[0]], kv_len, causal)
@@ -201,8 +217,10 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if block_m is None:
         block_m = 16 if rows_m <= 16 else 32 if rows_m <= 32 else 64
     m_tiles = -(-rows_m // block_m)
+    if block_n is None:
+        block_n = TILED_BLOCK_N if m_tiles >= 2 and q.element_size() == 2 else 64
     if splits is None:
-        size, splits = split_plan(b, hkv, m_tiles, cap, block_n)
+        size, splits = split_plan(b, hkv, m_tiles, cap, block_n, min(rows_m, block_m))
     else:
         size = -(-(-(-cap // splits)) // block_n) * block_n
         splits = -(-cap // size)
@@ -223,8 +241,8 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3),
         lpart.stride(0), lpart.stride(1), lpart.stride(2), out.stride(0), out.stride(1), out.stride(2), qk_scale,
         T=t, G=g, HKV=hkv, D=d, SPLIT=size, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, DIRECT=direct,
-        num_warps=8 if block_m == 128 else 4,
-        num_stages=num_stages or (3 if (block_m >= 64 or direct) and q.element_size() == 2 else 2))
+        num_warps=warps or (8 if block_m == 128 else 4),
+        num_stages=num_stages or (3 if (block_m >= 64 or direct) and q.element_size() == 2 else 2), **launch_args(q))
     if direct:
         return out
     tb = 8 if t % 8 == 0 else 1
@@ -232,5 +250,6 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         opart, lpart, kv_len, out,
         opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3),
         lpart.stride(0), lpart.stride(1), lpart.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        HQ=hq, T=t, D=d, SPLIT=size, S_MAX=max(16, triton.next_power_of_2(splits)), TB=tb, num_warps=4)
+        HQ=hq, T=t, D=d, SPLIT=size, S_MAX=max(16, triton.next_power_of_2(splits)), TB=tb, num_warps=4,
+        **launch_args(q))
     return out

@@ -35,11 +35,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker.model.fused_ops import available
+from worker.model.fused_ops import available, launch_args
 
 try:                                   # Triton ships with CUDA builds of torch; CPU installs may lack it
     import triton
     import triton.language as tl
+
+    from worker.model.fused_ops import gdc_enter
 except ImportError:                    # pragma: no cover - exercised only on Triton-less installs
     triton = None
 
@@ -55,14 +57,16 @@ class LaunchConfig:
 
 # (most rows, config): the first entry whose row count covers M; the last covers any larger M.
 LAUNCH_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
-    (1, LaunchConfig(block_m=1, block_n=32, block_k=256, warps=4, stages=2)),
+    (1, LaunchConfig(block_m=1, block_n=16, block_k=1024, warps=4, stages=2)),
     (16, LaunchConfig(block_m=16, block_n=64, block_k=128, warps=4, stages=4)),
     (32, LaunchConfig(block_m=32, block_n=64, block_k=128, warps=4, stages=4)),
     (64, LaunchConfig(block_m=64, block_n=64, block_k=128, warps=4, stages=3)),
     (256, LaunchConfig(block_m=64, block_n=128, block_k=64, warps=8, stages=3)),
 )
 PROGRAMS_PER_SM = 8                    # split K until about this many programs per multiprocessor (the gemv
-                                       # form at 61 registers x 128 threads fits 8)
+                                       # form at 61 registers x 128 threads fits 8); 2-byte weights: 1 (their
+                                       # tiles stream twice the bytes; the H200 sweep of 2026-12-01 measured
+                                       # the 32B qkv and gate/up products fastest unsplit at 1-8 rows)
 MIN_STEPS_PER_SPLIT = 4                # ... while each split still streams this many BLOCK_K steps
 MAX_SPLITS = 16
 REDUCE_BLOCK = 1024                    # output columns per program of the split-sum kernel
@@ -71,7 +75,16 @@ SMS_WITHOUT_CUDA = 132                 # the interpreter's stand-in for a device
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def launch_config(rows: int) -> LaunchConfig:
+
+
+def launch_config(rows: int, weight_bytes: int = 1) -> LaunchConfig:
+    """The table's entry for `rows`; one row streams 1 KiB of each of 16 weight rows per step
+    whatever the weight's width (fp8: 1024 inputs, bf16: 512). H200 sweeps of 2026-12-01 on the
+    32B layer at one row: fp8 130.8 us a layer against 136.4 with 32 x 256; bf16 (N, K) qkv and
+    gate/up 25.8 / 119.0 us against cuBLAS's 28.1 / 130.6."""
+    if rows == 1 and weight_bytes != 1:
+        c = LAUNCH_CONFIGS[0][1]
+        return LaunchConfig(c.block_m, c.block_n, c.block_k // weight_bytes, c.warps, c.stages)
     for most, config in LAUNCH_CONFIGS:
         if rows <= most:
             return config
@@ -90,12 +103,13 @@ def _multiprocessors(device: torch.device) -> int:
     return _sm_counts[index]
 
 
-def split_count(rows: int, n: int, k: int, config: LaunchConfig, sms: int) -> int:
-    """How many K splits: enough programs for PROGRAMS_PER_SM per multiprocessor, each split at
+def split_count(rows: int, n: int, k: int, config: LaunchConfig, sms: int, weight_bytes: int = 1) -> int:
+    """How many K splits: enough programs for PROGRAMS_PER_SM per multiprocessor (one for 2-byte
+    weights), each split at
     least MIN_STEPS_PER_SPLIT steps of BLOCK_K, at most MAX_SPLITS, and the fp32 partials
     (written, then read back: 8 bytes x splits x rows x N) under a quarter of the weight's N x K."""
     tiles = -(-rows // config.block_m) * -(-n // config.block_n)
-    want = -(-PROGRAMS_PER_SM * sms // tiles)
+    want = -(-(PROGRAMS_PER_SM if weight_bytes == 1 else 1) * sms // tiles)
     steps = -(-k // config.block_k)
     return max(1, min(want, steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS, k // (32 * rows)))
 
@@ -109,9 +123,11 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
 
 if triton is not None:
     @triton.jit
-    def _w8_kernel(X, W, SCALE, BIAS, Y, PART, M, N, K, sx_m, sw_n, sy_m, k_per_split,
+    def _w8_kernel(X, W, SCALE, BIAS, Y, PART, M, N, K, sx_m, sw_n, sw_k, sy_m, k_per_split,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr):
+                   SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   DOT_FP32: tl.constexpr, GDC: tl.constexpr):
+        gdc_enter(GDC)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -126,12 +142,12 @@ if triton is not None:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
                 x = tl.load(X + offs_m[:, None] * sx_m + offs_k[None, :], mask=m_ok[:, None], other=0.0)
-                w = tl.load(W + offs_n[:, None] * sw_n + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+                w = tl.load(W + offs_n[:, None] * sw_n + offs_k[None, :] * sw_k, mask=n_ok[:, None], other=0.0)
             else:
                 k_ok = offs_k < K
                 x = tl.load(X + offs_m[:, None] * sx_m + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
                             other=0.0)
-                w = tl.load(W + offs_n[:, None] * sw_n + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                w = tl.load(W + offs_n[:, None] * sw_n + offs_k[None, :] * sw_k, mask=n_ok[:, None] & k_ok[None, :],
                             other=0.0)
             if BLOCK_M == 1:                                    # gemv: x (1, BLOCK_K) against each row of W
                 acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
@@ -141,7 +157,9 @@ if triton is not None:
                 acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
         mask = m_ok[:, None] & n_ok[None, :]
         if SPLIT == 1:
-            y = acc * tl.load(SCALE + offs_n, mask=n_ok, other=0.0)[None, :]
+            y = acc
+            if HAS_SCALE:
+                y = y * tl.load(SCALE + offs_n, mask=n_ok, other=0.0)[None, :]
             if HAS_BIAS:
                 y += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(Y + offs_m[:, None] * sy_m + offs_n[None, :], y.to(Y.dtype.element_ty), mask=mask)
@@ -149,51 +167,58 @@ if triton is not None:
             tl.store(PART + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
 
     @triton.jit
-    def _sum_splits_kernel(PART, SCALE, BIAS, Y, M, N, sy_m, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           BLOCK: tl.constexpr):
+    def _sum_splits_kernel(PART, SCALE, BIAS, Y, M, N, sy_m, SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
+        gdc_enter(GDC)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < N
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for s in tl.static_range(SPLIT):                        # fixed order: the same bits every launch
             acc += tl.load(PART + (s * M + row) * N + cols, mask=ok, other=0.0)
-        y = acc * tl.load(SCALE + cols, mask=ok, other=0.0)
+        y = acc
+        if HAS_SCALE:
+            y = y * tl.load(SCALE + cols, mask=ok, other=0.0)
         if HAS_BIAS:
             y += tl.load(BIAS + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(Y + row * sy_m + cols, y.to(Y.dtype.element_ty), mask=ok)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None, config: LaunchConfig | None = None,
                splits: int | None = None) -> torch.Tensor:
-    """x (..., K), weight (N, K) e4m3, scale (N,) fp32, bias (N,) or None -> (..., N) in x's dtype
-    (written into `out`, contiguous (..., N), when given). `config` / `splits` override the table
-    and the split rule (the GPU sweep compares them)."""
+    """x (..., K), weight (N, K) e4m3 (or, with scale None, in x's dtype: a plain product), scale (N,)
+    fp32 or None, bias (N,) or None -> (..., N) in x's dtype (written into `out`, contiguous
+    (..., N), when given). The weight may be any (N, K) view with one unit stride (a transposed
+    (K, N) store too). `config` / `splits` override the table and the split rule (the GPU sweep
+    compares them)."""
     n, k = weight.shape
-    if weight.stride(1) != 1:
-        raise ValueError(f"fp8_linear: weight must be contiguous along K (strides {tuple(weight.stride())})")
+    if 1 not in weight.stride():
+        raise ValueError(f"fp8_linear: weight must be contiguous along N or K (strides {tuple(weight.stride())})")
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
-    config = config or launch_config(rows)
+    config = config or launch_config(rows, weight.element_size())
     if splits is None:
-        splits = split_count(rows, n, k, config, _multiprocessors(x.device))
+        splits = split_count(rows, n, k, config, _multiprocessors(x.device), weight.element_size())
     steps = -(-k // config.block_k)
     k_per_split = -(-steps // splits) * config.block_k
     splits = -(-k // k_per_split)                   # no empty split
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device) if out is None else out.view(rows, n)
     part = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device) if splits > 1 else y
-    b = bias if bias is not None else scale
+    s = scale if scale is not None else y
+    b = bias if bias is not None else s
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(rows, config.block_m), splits)
-    _w8_kernel[grid](x2, weight, scale, b, y, part, rows, n, k, x2.stride(0), weight.stride(0), y.stride(0),
-                     k_per_split, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                     SPLIT=splits, EVEN_K=k % config.block_k == 0, HAS_BIAS=bias is not None,
-                     DOT_FP32=_INTERPRETED, num_warps=config.warps, num_stages=config.stages)
+    _w8_kernel[grid](x2, weight, s, b, y, part, rows, n, k, x2.stride(0), weight.stride(0), weight.stride(1),
+                     y.stride(0), k_per_split, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                     BLOCK_K=config.block_k, SPLIT=splits, EVEN_K=k % config.block_k == 0,
+                     HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, DOT_FP32=_INTERPRETED,
+                     num_warps=config.warps, num_stages=config.stages, **launch_args(x2))
     if splits > 1:
         _sum_splits_kernel[(rows, triton.cdiv(n, REDUCE_BLOCK))](
-            part, scale, b, y, rows, n, y.stride(0), SPLIT=splits, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK,
-            num_warps=4)
+            part, s, b, y, rows, n, y.stride(0), SPLIT=splits, HAS_SCALE=scale is not None,
+            HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4, **launch_args(x2))
     return y.view(*x.shape[:-1], n)
 
 

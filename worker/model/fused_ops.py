@@ -35,6 +35,31 @@ def available(x: torch.Tensor) -> bool:
     return not _reference_only and triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
+# Programmatic dependent launch (Hopper and later): each kernel below may be launched while the
+# previous kernel of the stream is still finishing; its first instruction waits for that kernel's
+# completion and memory (`griddepcontrol.wait`), then lets the next kernel launch early. What it
+# hides is the launch gap between the many small kernels of a decode step (captured in the same
+# CUDA graphs). Off: plain launches (the A/B of `python -m worker.bench`).
+PDL = True
+_capability: dict[int, tuple[int, int]] = {}
+
+
+def pdl(x: torch.Tensor) -> bool:
+    """True where kernels launch with programmatic dependent launch: compiled (not interpreted)
+    on a GPU of compute capability 9.0 or later, and `PDL` on."""
+    if not (PDL and x.is_cuda) or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if index not in _capability:
+        _capability[index] = torch.cuda.get_device_capability(index)
+    return _capability[index][0] >= 9
+
+
+def launch_args(x: torch.Tensor) -> dict:
+    """The launch keywords of a kernel with a `GDC` flag (see `PDL`), for tensors like x."""
+    return {"GDC": True, "launch_pdl": True} if pdl(x) else {"GDC": False}
+
+
 @contextlib.contextmanager
 def reference_only():
     """Run the reference torch ops instead of the kernels (checks compare the two)."""
@@ -48,8 +73,16 @@ def reference_only():
 
 if triton is not None:
     @triton.jit
+    def gdc_enter(GDC: tl.constexpr):
+        """A kernel's first step under `PDL`: wait for the previous kernel, let the next launch."""
+        if GDC:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
     def _add_rms_norm_kernel(X, R, W, Y, RO, sx, sr, sy, sro, n, eps,
-                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
+        gdc_enter(GDC)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
@@ -70,7 +103,8 @@ if triton is not None:
     def _qk_norm_rope_write_kernel(QKV, QO, KC, VC, QW, KW, START, DELTA, INV_FREQ, COS, SIN,
                                    s_row, sqo_row, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l,
                                    scaling, eps, T, HQ: tl.constexpr, HKV: tl.constexpr,
-                                   D: tl.constexpr, NH: tl.constexpr, TABLE: tl.constexpr):
+                                   D: tl.constexpr, NH: tl.constexpr, TABLE: tl.constexpr, GDC: tl.constexpr):
+        gdc_enter(GDC)
         row = tl.program_id(0)               # b * T + t: every head of one token in one program
         b = row // T
         t = row % T
@@ -111,7 +145,8 @@ if triton is not None:
                  mask=is_v)
 
     @triton.jit
-    def _silu_mul_kernel(GU, Y, s_row, sy_row, n, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(GU, Y, s_row, sy_row, n, BLOCK: tl.constexpr, GDC: tl.constexpr):
+        gdc_enter(GDC)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n
@@ -136,7 +171,8 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     r2 = _rows(residual) if residual is not None else x2
     _add_rms_norm_kernel[(x2.shape[0],)](
         x2, r2, weight, y, res_out, x2.stride(0), r2.stride(0), y.stride(0), res_out.stride(0), n, eps,
-        HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 4096 else 4)
+        HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 4096 else 4,
+        **launch_args(x2))
     return res_out.view(x.shape), y.view(x.shape)
 
 
@@ -164,7 +200,7 @@ def qk_norm_rope_write(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_norm_we
         rows.stride(0), q_heads * d, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scaling, eps, t,
         HQ=q_heads, HKV=kv_heads, D=d, NH=triton.next_power_of_2(heads), TABLE=cos_sin is not None,
-        num_warps=4 if heads > 32 else 2)
+        num_warps=4 if heads > 32 else 2, **launch_args(rows))
     return q
 
 
@@ -175,5 +211,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x2.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, y, x2.stride(0), y.stride(0), n, BLOCK=block,
-                                                           num_warps=4)
+                                                           num_warps=4, **launch_args(x2))
     return y.view(*gate_up.shape[:-1], n)

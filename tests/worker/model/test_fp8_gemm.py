@@ -27,12 +27,12 @@ from worker.model.fp8_gemm import LaunchConfig, fp8_linear, launch_config, split
 from worker.model.fused_ops import reference_only
 
 gen = torch.Generator().manual_seed(7)
-out = {"products": [], "dispatch": {}, "quantize_rows": []}
+out = {"products": [], "dispatch": {}, "quantize_rows": [], "plain": []}
 # (rows, N, K, dtype, bias, splits): K and N not multiples of any block; None = the split rule
 for m, n, k, dtype, bias, splits in [(1, 37, 300, "float32", True, None), (1, 37, 300, "bfloat16", False, 3),
                                      (3, 37, 300, "float32", False, 3), (3, 45, 129, "bfloat16", True, None),
                                      (17, 70, 300, "float32", True, 2), (17, 70, 300, "bfloat16", False, None),
-                                     (1, 40, 2100, "float32", False, None), (300, 20, 40, "float32", False, None)]:
+                                     (1, 40, 8300, "float32", False, None), (300, 20, 40, "float32", False, None)]:
     dt = getattr(torch, dtype)
     w8, scale = fp8.quantize_weight(torch.randn(n, k, generator=gen))
     x = torch.randn(m, k, generator=gen).to(dt)
@@ -44,6 +44,18 @@ for m, n, k, dtype, bias, splits in [(1, 37, 300, "float32", True, None), (1, 37
         splits_used=splits or split_count(m, n, k, launch_config(m), SMS_WITHOUT_CUDA),
         rel_err=float((y.double() - ref).norm() / ref.norm()), same_bits=torch.equal(y, fp8_linear(x, w8, scale, b,
                                                                                                   splits=splits))))
+# plain products (scale None: a bf16 / fp32 weight), stored (N, K) and transposed (K, N)
+for m, n, k, dtype, transposed in [(1, 37, 600, "bfloat16", False), (1, 37, 600, "bfloat16", True),
+                                   (5, 45, 129, "float32", False), (5, 45, 129, "float32", True)]:
+    dt = getattr(torch, dtype)
+    w = torch.randn(n, k, generator=gen).to(dt)
+    if transposed:
+        w = w.t().contiguous().t()
+    x = torch.randn(m, k, generator=gen).to(dt)
+    y = fp8_linear(x, w, None)
+    ref = x.double() @ w.double().t()
+    out["plain"].append(dict(case=[m, n, k, dtype, transposed], strides=list(w.stride()), shape=list(y.shape),
+                             rel_err=float((y.double() - ref).norm() / ref.norm())))
 # Fp8Linear: which product runs for few rows, many rows, and inside reference_only()
 lin = fp8.Fp8Linear(torch.nn.Linear(48, 24, bias=False))
 for name, rows, ref_only in [("few", 3, False), ("limit", fp8.WEIGHT_ONLY_MAX_ROWS, False),
@@ -117,7 +129,24 @@ def test_quantize_rows_kernel_gives_the_torch_ops_scales_and_values(interpreted)
     # (exact bits on the GPU: `python -m worker.kernel_check`, "fp8 activation quantisation")
 
 
-def test_refuses_a_weight_not_contiguous_along_k():
-    w8 = torch.zeros(16, 8, dtype=torch.float8_e4m3fn).t()            # (8, 16) with strides (1, 8)
-    with pytest.raises(ValueError, match="contiguous along K"):
+def test_plain_weights_stored_either_way_give_the_product(interpreted):
+    cases = interpreted["plain"]
+    assert {tuple(c["strides"]) for c in cases} >= {(600, 1), (1, 37), (129, 1), (1, 45)}   # both layouts ran
+    for c in cases:
+        m, n, _, dtype, _ = c["case"]
+        assert c["shape"] == [m, n] and c["rel_err"] <= (1e-6 if dtype == "float32" else 1e-2), c
+
+
+def test_refuses_a_weight_without_a_unit_stride():
+    w8 = torch.zeros(8, 32, dtype=torch.float8_e4m3fn)[:, ::2]          # (8, 16) with strides (32, 2)
+    with pytest.raises(ValueError, match="contiguous along N or K"):
         fp8_linear(torch.zeros(1, 16), w8, torch.ones(8))
+
+
+@pytest.mark.parametrize("weight_bytes", [1, 2, 4])
+def test_one_row_streams_a_kibibyte_of_each_weight_row_per_step(weight_bytes):
+    from worker.model.fp8_gemm import launch_config
+
+    c = launch_config(1, weight_bytes)
+    assert c.block_m == 1 and c.block_n == 16 and c.block_k * weight_bytes == 1024
+    assert launch_config(8, weight_bytes).block_m == 16          # more rows: tensor-core tiles

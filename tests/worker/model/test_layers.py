@@ -49,3 +49,43 @@ def test_fused_stack_stores_o_and_down_transposed(monkeypatch):
         assert layer.self_attn.o_proj.weight.stride() == (1, 64)
         assert layer.mlp.down_proj.weight.stride() == (1, 64)
         assert layer.mlp.gate_proj.weight.stride() == (64, 1)       # gate/up keep (out, in)
+
+
+@pytest.mark.parametrize("rows, transposed, kernel", [(1, False, True), (8, False, True), (9, False, False),
+                                                      (1, True, False)])
+def test_few_row_products_of_out_in_weights_stream_through_the_kernel(monkeypatch, rows, transposed, kernel):
+    """`project`: up to GEMV_MAX_ROWS rows of an (out, in) weight run the weight-streaming kernel
+    (measured faster than cuBLAS there); more rows, or an (in, out) store, run the module."""
+    from worker.model import layers
+
+    monkeypatch.setattr(layers, "fused_available", lambda x: True)
+    calls = []
+    monkeypatch.setattr(layers, "fp8_linear", lambda x, w, scale, bias: calls.append((w.stride(), scale)) or
+                        torch.nn.functional.linear(x, w, bias))
+    m = _linear(False)
+    if transposed:
+        m.weight = nn.Parameter(m.weight.data.t().contiguous().t(), requires_grad=False)
+    x = torch.randn(1, rows, 48)
+    torch.testing.assert_close(layers.project(m, x), m(x))
+    assert layers.GEMV_MAX_ROWS == 8
+    assert calls == ([((48, 1), None)] if kernel else [])
+
+
+def test_wide_query_tiles_split_keys_fewer_and_longer():
+    """Verify(8) and the draft's block (64 queries a tile) take splits of >= 1,024 keys; decode's
+    8-query tiles keep about two waves of programs; many programs need no split."""
+    from worker.model.attention import WIDE_SPLIT_KEYS, split_plan
+
+    size, splits = split_plan(1, 8, 1, 8256, 64, query_rows=64)
+    assert size >= WIDE_SPLIT_KEYS and splits == 8
+    size, splits = split_plan(1, 8, 1, 8256, 64, query_rows=8)
+    assert splits == 33 and size == 256
+    assert split_plan(32, 8, 1, 4608, 64, query_rows=64) == (4608, 1)
+
+
+def test_kernels_launch_plainly_off_hopper():
+    """Programmatic dependent launch only where kernels are compiled for a GPU (never on the CPU
+    or under Triton's interpreter)."""
+    from worker.model.fused_ops import launch_args
+
+    assert launch_args(torch.zeros(1)) == {"GDC": False}
