@@ -138,16 +138,19 @@ def _sentence_spans(text: str, n: int) -> list[tuple[int, int]]:
 
 
 # The words of the first two reasoning sentences that carry the scene's facts (the rest of each
-# sentence follows from them): traffic-light state, then the lead-vehicle situation.
+# sentence follows from them): traffic-light state, then the lead-vehicle situation, then its gap.
 _KEY_WORDS = (re.compile(r"^\s*(There|The)\b|\b(no|red|green|yellow|and|but)\b"),
-              re.compile(r"^\s*(There|The)\b|\b(no|stopped|slower|similar|faster|\d+)\b"))
+              re.compile(r"^\s*(There|The)\b|\b(no|stopped|slower|similar|faster)\b"),
+              re.compile(r"\b\d+\b"))
 
 
-def token_weights(tok, text: str, task: str, key_weights: tuple[float, float]) -> tuple[list[int], torch.Tensor]:
+def token_weights(tok, text: str, task: str,
+                  key_weights: tuple[float, float, float]) -> tuple[list[int], torch.Tensor]:
     """Target ids and their loss weights. In trajectory/meta_action reasonings the tokens of the
-    fact-bearing words of the first sentence (the traffic light) weigh key_weights[0] and those
-    of the second (the lead vehicle) key_weights[1]; the meta-action lines and grounding answers
-    (short, all facts) weigh key_weights[1] too; every other token weighs 1."""
+    fact-bearing words of the first sentence (the traffic light) weigh key_weights[0], the lead
+    vehicle's situation words in the second key_weights[1] and its gap's digits key_weights[2];
+    the meta-action lines and grounding answers (short, all facts) weigh key_weights[2] too;
+    every other token weighs 1."""
     enc = tok.encode(text, add_special_tokens=False)
     w = torch.ones(len(enc.ids))
 
@@ -157,21 +160,22 @@ def token_weights(tok, text: str, task: str, key_weights: tuple[float, float]) -
                 w[j] = max(float(w[j]), wk)
 
     if task in ("trajectory", "meta_action"):
-        for (lo, hi), wk, rx in zip(_sentence_spans(text, 2), key_weights, _KEY_WORDS):
+        (light, lead) = _sentence_spans(text, 2)
+        for (lo, hi), wk, rx in zip((light, lead, lead), key_weights, _KEY_WORDS):
             for m in rx.finditer(text[lo:hi]):
                 weigh(lo + m.start(), lo + m.end(), wk)
     if task == "meta_action":
         start = text.find("\nLongitudinal:")
         if start >= 0:
-            weigh(start, len(text), key_weights[1])
+            weigh(start, len(text), key_weights[2])
     if task == "grounding":
-        weigh(0, len(text), key_weights[1])
+        weigh(0, len(text), key_weights[2])
     return enc.ids, w
 
 
 def build_examples(runtime: AlpamayoRuntime, scenes: Sequence, tasks: Sequence[str] = TASKS,
                    actions: torch.Tensor | None = None,
-                   key_weights: tuple[float, float] = (1.0, 1.0), first_index: int = 0) -> list[Example]:
+                   key_weights: tuple[float, float, float] = (1.0, 1.0, 1.0), first_index: int = 0) -> list[Example]:
     """Examples for every (scene, task), in scene-major order (scene_index counts from
     first_index). Pure function of its inputs."""
     tok, ids = runtime.tok, runtime.ids
@@ -211,7 +215,8 @@ class TrainConfig:
     expert_weight: float = 1.0
     expert_repeats: int = 4              # noise draws per trajectory row and step
     kv_grad_scale: float = 1.0           # share of the expert's gradient that flows into the VLM's K/V
-    key_weights: tuple[float, float] = (10.0, 3.0)  # light words, lead words (see token_weights)
+    key_weights: tuple[float, float, float] = (10.0, 3.0, 3.0)  # light, lead situation, gap digits (token_weights)
+    lead_repeats: int = 1                # trajectory / meta_action examples of scenes with a lead vehicle, per epoch
     # examples of each task per step; rows of one group share a forward (similar lengths)
     per_step: tuple[tuple[str, int], ...] = (
         ("trajectory", 5), ("meta_action", 2), ("vqa", 2), ("grounding", 2), ("auto_labeling", 1))
@@ -370,13 +375,17 @@ class _PhaseClock:
 
 class _Sampler:
     """Per-task epochs without replacement (numpy Generator); each step takes `per_step[task]`
-    examples of each task, split into the micro-batches of `groups`."""
+    examples of each task, split into the micro-batches of `groups`. An epoch holds the
+    trajectory and meta_action examples of scenes with a lead vehicle `lead_repeats` times."""
 
-    def __init__(self, examples: Sequence[Example], c: TrainConfig, seed: int):
+    def __init__(self, examples: Sequence[Example], c: TrainConfig, seed: int,
+                 scene_has_lead: Sequence[bool] | None = None):
         self.rng = np.random.default_rng([seed, 7])
         self.by_task: dict[str, list[int]] = {}
         for i, e in enumerate(examples):
-            self.by_task.setdefault(e.task, []).append(i)
+            lead = scene_has_lead is not None and scene_has_lead[e.scene_index]
+            times = c.lead_repeats if lead and e.task in ("trajectory", "meta_action") else 1
+            self.by_task.setdefault(e.task, []).extend([i] * times)
         self.counts = {t: n for t, n in c.per_step if t in self.by_task and n > 0}
         self.groups = [[t for t in g if t in self.counts] for g in c.groups]
         self.groups = [g for g in self.groups if g]
@@ -396,13 +405,14 @@ class _Sampler:
 
 def train(model, runtime: AlpamayoRuntime, examples: Sequence[Example], c: TrainConfig, seed: int = 0,
           log: Callable[[str], None] | None = None, callback: Callable[[int], None] | None = None,
-          budget_s: float | None = None) -> dict:
+          budget_s: float | None = None, scene_has_lead: Sequence[bool] | None = None) -> dict:
     """AdamW with warm-up + cosine over `c.steps` steps. The global torch RNG (seeded by the
     caller) draws the flow-matching noise and times; a numpy Generator from `seed` the batches.
     `budget_s`: stop after that many seconds even if steps remain (the summary's `steps` says
-    how many ran; the weights are then not the recipe's). Returns a summary (steps, wall/CPU
-    seconds, final losses)."""
-    sampler = _Sampler(examples, c, seed)
+    how many ran; the weights are then not the recipe's). `scene_has_lead[scene_index]`: scenes
+    with a lead vehicle (`TrainConfig.lead_repeats`). Returns a summary (steps, wall/CPU seconds,
+    final losses)."""
+    sampler = _Sampler(examples, c, seed, scene_has_lead)
     expert = ActionExpert(model.expert, runtime.cfg.action_space.n_waypoints)
     params = [p for p in model.parameters() if p.requires_grad]
     vlm_params = [p for p in model.vlm.parameters() if p.requires_grad]

@@ -202,11 +202,12 @@ def measure_acceptance(rt_spec, requests) -> dict:
             "mean_acceptance_length": 1 + accepted / steps if steps else 1.0}
 
 
-def demo_requests(seeds, k: int = 1, temperature: float = 0.0):
-    """Trajectory SceneRequests of the synthetic scenes of `seeds` (request id = scene id)."""
+def demo_requests(seeds, k: int = 1, temperature: float = 0.0, image_size: tuple[int, int] | None = None):
+    """Trajectory SceneRequests of the synthetic scenes of `seeds` (request id = scene id),
+    rendered at `image_size` (width, height; default: the scene generator's)."""
     out = []
     for seed in seeds:
-        s = generate_scene(int(seed))
+        s = generate_scene(int(seed)) if image_size is None else generate_scene(int(seed), image_size)
         out.append(runtime_request(s, "trajectory", request_id=s.scene_id, num_samples=k, temperature=temperature,
                                    seed=int(seed)))
     return out
@@ -239,8 +240,11 @@ def build_demo_head(checkpoint: str | Path, cache_root: str | Path | None = None
     rng = np.random.default_rng(seed + 1000)
     seeds = rng.choice(10_000_000, size=train_scenes + eval_scenes, replace=False) + 50_000_000
     half = train_scenes // 2
-    train = demo_requests(seeds[:half], k=1, temperature=0.0) + \
-        demo_requests(seeds[half:train_scenes], k=2, temperature=0.6)
+    from worker.demo.build import scene_image_size
+
+    size = scene_image_size(checkpoint)                  # what the checkpoint was trained on
+    train = demo_requests(seeds[:half], k=1, temperature=0.0, image_size=size) + \
+        demo_requests(seeds[half:train_scenes], k=2, temperature=0.6, image_size=size)
     if progress:
         print(f"DFlash2 head: distilling from {checkpoint} ({train_scenes} scenes)", flush=True)
     draft, prov = train_head(rt, train, head_cfg, steps=r["steps"], seed=seed, batch=r["batch"],
@@ -253,7 +257,7 @@ def build_demo_head(checkpoint: str | Path, cache_root: str | Path | None = None
                                    "training": prov, "created_at": time.time()})
     spec = AlpamayoRuntime.load(checkpoint, device=device, dtype=torch.float32,
                                 speculator_factory=DFlash2Speculator.factory(str(tmp)))
-    held_out = demo_requests(seeds[train_scenes:], k=1, temperature=0.6)
+    held_out = demo_requests(seeds[train_scenes:], k=1, temperature=0.6, image_size=size)
     quality = measure_acceptance(spec, held_out)
     quality["build_seconds"] = round(time.perf_counter() - t0, 1)
     (tmp / "quality.json").write_text(json.dumps(quality, indent=2))

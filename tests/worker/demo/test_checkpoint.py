@@ -223,9 +223,9 @@ def test_training_data_pipeline_is_deterministic(ckpt, runtime, quality):
     assert json.loads(tok.to_str()) == json.loads(again.to_str())
 
     few = scenes[:2]
-    a = train.build_examples(runtime, few, key_weights=(10.0, 3.0))
+    a = train.build_examples(runtime, few, key_weights=(10.0, 3.0, 3.0))
     b = train.build_examples(runtime, [generate_scene(s, build.IMAGE_SIZE) for s in seeds[:2]],
-                             key_weights=(10.0, 3.0))
+                             key_weights=(10.0, 3.0, 3.0))
     assert [e.task for e in a] == list(train.TASKS) * 2
     for x, y in zip(a, b):
         assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.positions, y.positions)
