@@ -1,7 +1,7 @@
 """GPU path check: `python -m worker.kernel_check [--shape 32b|mid|tiny]`.
 
 Compares the Triton kernels of the serving path (`worker/model/attention.py`,
-`worker/model/fused_ops.py`, `worker/model/layers.py`, `worker/model/fp8_gemm.py`) with the reference torch ops on fresh
+`worker/model/fused_ops.py`, `worker/model/layers.py`, `worker/model/stream_gemm.py`) with the reference torch ops on fresh
 random inputs of every shape the model uses (decode, verify(8), draft block, expert), and prints
 one row per check with the relative error ||out - ref|| / ||ref|| against an fp64 reference on the
 same (rounded) inputs, and the max abs difference. Exits 1 when any check fails its bound.
@@ -23,9 +23,10 @@ if not torch.cuda.is_available():        # before Triton is imported: no GPU -> 
 
 from worker.model.attention import attend_reference, cache_attention  # noqa: E402
 from worker.model.decoder import apply_rope, rms_norm, rope_cos_sin  # noqa: E402
-from worker.model.fp8 import WEIGHT_ONLY_MAX_ROWS, quantize_model_fp8, quantize_weight, scaled_mm_linear  # noqa: E402
-from worker.model.fp8_gemm import LaunchConfig, fp8_linear, launch_config, quantize_rows, quantize_rows_reference  # noqa: E402
+from worker.model.fp8 import (WEIGHT_ONLY_MAX_ROWS, quantize_model_fp8, quantize_rows,  # noqa: E402
+                              quantize_rows_reference, quantize_weight, scaled_mm_linear)
 from worker.model.fused_ops import add_rms_norm, qk_norm_rope_write, reference_only, silu_mul  # noqa: E402
+from worker.model.stream_gemm import LaunchConfig, launch_config, stream_linear  # noqa: E402
 
 # (rows, T, Hq, Hkv, D, capacity) per use; capacity includes free columns after the live keys.
 # Launches of >= 124 programs (rows x Hkv) write their output directly, smaller ones split the keys.
@@ -129,7 +130,7 @@ def _replayed(fn, like: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def check_fp8_linear(shape: dict, dtype, dev, gen) -> list[tuple[str, str, float, float]]:
+def check_stream_linear(shape: dict, dtype, dev, gen) -> list[tuple[str, str, float, float]]:
     """The weight-only fp8 product at each weight shape and FP8_ROWS rows against fp64 of the
     dequantised product, and the same kernel on a plain weight at 1 and 8 rows; a second launch
     (on the GPU: captured in a CUDA graph and replayed) must give the same bits."""
@@ -140,8 +141,8 @@ def check_fp8_linear(shape: dict, dtype, dev, gen) -> list[tuple[str, str, float
         for m in FP8_ROWS:
             x = torch.randn(m, k, device=dev, generator=gen).to(dtype)
             out = torch.full((m, n), float("nan"), device=dev, dtype=dtype)
-            fp8_linear(x, w8, scale, out=out)
-            same = torch.equal(out, _replayed(lambda o: fp8_linear(x, w8, scale, out=o), out))
+            stream_linear(x, w8, scale, out=out)
+            same = torch.equal(out, _replayed(lambda o: stream_linear(x, w8, scale, out=o), out))
             err = rel_err(out, x.double() @ w64.t()) if same else (float("nan"), float("nan"))
             rows.append((f"fp8 weight-only {name}", f"M {m}, {k} -> {n}", *err))
         del w64
@@ -150,8 +151,8 @@ def check_fp8_linear(shape: dict, dtype, dev, gen) -> list[tuple[str, str, float
         for m in (1, 8):
             x = torch.randn(m, k, device=dev, generator=gen).to(dtype)
             out = torch.full((m, n), float("nan"), device=dev, dtype=dtype)
-            fp8_linear(x, w, None, out=out)
-            same = torch.equal(out, _replayed(lambda o: fp8_linear(x, w, None, out=o), out))
+            stream_linear(x, w, None, out=out)
+            same = torch.equal(out, _replayed(lambda o: stream_linear(x, w, None, out=o), out))
             err = rel_err(out, x.double() @ w.double().t()) if same else (float("nan"), float("nan"))
             rows.append((f"{str(dtype)[6:]} weight {name}", f"M {m}, {k} -> {n}", *err))
     if dev.type == "cuda":        # (Triton's interpreter rounds some fp32 -> e4m3 casts down a binade)
@@ -366,7 +367,7 @@ def sweep_fp8_linear(dev, gen) -> None:
         weights[name] = (w8, scale)
         for m in (1, 8, 32, 64, 128, 256):
             x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
-            ours = _bench_streamed_us(lambda w, s: fp8_linear(x, w, s), w8, scale)
+            ours = _bench_streamed_us(lambda w, s: stream_linear(x, w, s), w8, scale)
             scaled = _bench_streamed_us(lambda w, s: scaled_mm_linear(x, w, s), w8, scale)
             bf16 = _bench_streamed_us(lambda w: torch.nn.functional.linear(x, w), w16)
             uses = "weight-only" if m <= WEIGHT_ONLY_MAX_ROWS else "_scaled_mm"
@@ -382,7 +383,7 @@ def sweep_fp8_linear(dev, gen) -> None:
             x = torch.randn(m, w8.shape[1], device=dev, generator=gen).to(torch.bfloat16)
             for c in [launch_config(m)] + [c for c in configs if c != launch_config(m)]:
                 try:
-                    times = [_bench_streamed_us(lambda w, s: fp8_linear(x, w, s, config=c, splits=sp), w8, scale)
+                    times = [_bench_streamed_us(lambda w, s: stream_linear(x, w, s, config=c, splits=sp), w8, scale)
                              for sp in (None, 1)]
                 except Exception as e:          # a config over the shared-memory or register limit
                     print(f"| {c} | {m} | {name} | {type(e).__name__} | - | |")
@@ -422,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
             failed += not ok
             print(f"| {name} | hidden {SHAPES[args.shape]['hidden']} | {str(dtype)[6:]} | {err:.2e} | {mx:.2e} "
                   f"| {'ok' if ok else 'FAIL'} |")
-        for name, where, err, mx in check_fp8_linear(SHAPES[args.shape], dtype, dev, gen):
+        for name, where, err, mx in check_stream_linear(SHAPES[args.shape], dtype, dev, gen):
             ok = err <= bound[dtype]
             failed += not ok
             print(f"| {name} | {where} | {str(dtype)[6:]} | {err:.2e} | {mx:.2e} | {'ok' if ok else 'FAIL'} |",

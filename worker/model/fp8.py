@@ -2,11 +2,11 @@
 
 Which product runs, by the number of rows M (tokens) of the input:
   M <= WEIGHT_ONLY_MAX_ROWS, where the Triton kernels run (GPU, or TRITON_INTERPRET=1):
-      weight-only fp8 (`fp8_gemm.fp8_linear`: bf16 activations, the weight widened in registers),
+      weight-only fp8 (`stream_gemm.stream_linear`: bf16 activations, the weight widened in registers),
       bound by the weight's bytes like decode, verify, draft and expert steps are
   larger M on GPUs with fp8 tensor cores (compute capability >= 8.9: Ada, Hopper): a real fp8
       matrix multiply (`torch._scaled_mm`, activations quantised per token on the fly by one kernel,
-      `fp8_gemm.quantize_rows`), bound by
+      `quantize_rows` below), bound by
       arithmetic like prefill is
   elsewhere (and for few rows inside `fused_ops.reference_only()`): the weight dequantised to the
       activation dtype (same numbers, no speed-up), so CPU tests exercise the same quantised weights.
@@ -17,13 +17,62 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.model.fp8_gemm import fp8_linear, fp8_linear_reference, quantize_rows, quantize_rows_reference
 from worker.model.fused_ops import available
+from worker.model.stream_gemm import stream_linear, stream_linear_reference
+
+try:                                   # Triton ships with CUDA builds of torch; CPU installs may lack it
+    import triton
+    import triton.language as tl
+except ImportError:                    # pragma: no cover - exercised only on Triton-less installs
+    triton = None
 
 # Up to this many rows the weight-only kernel runs (its time is the weight's bytes, about half
 # of bf16's); above it fp8 x fp8 `_scaled_mm` (arithmetic-bound: twice bf16's tensor-core rate).
 # `python -m worker.kernel_check --sweep` times both forms at M = 1 ... 256 on the GPU.
 WEIGHT_ONLY_MAX_ROWS = 64
+
+
+E4M3_MAX = 448.0
+
+
+def quantize_rows_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 (M, K) -> (e4m3 (M, K), fp32 scale (M, 1)) with x2 ≈ q * scale: one scale per row, its
+    largest magnitude mapped to e4m3's largest value (torch ops: five passes, fp32 temporaries)."""
+    scale = (x2.abs().amax(dim=1, keepdim=True).float() / E4M3_MAX).clamp(min=1e-12)
+    return (x2.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+if triton is not None:
+    @triton.jit
+    def _quantize_rows_kernel(X, Q, S, K, sx, sq, BLOCK: tl.constexpr, E4M3: tl.constexpr):
+        row = tl.program_id(0)
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            x = tl.load(X + row * sx + cols, mask=cols < K, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        scale = tl.maximum(tl.max(amax, 0) / E4M3, 1e-12)
+        tl.store(S + row, scale)
+        for k0 in range(0, K, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            x = tl.load(X + row * sx + cols, mask=cols < K, other=0.0)
+            tl.store(Q + row * sq + cols, tl.math.div_rn(x.to(tl.float32), scale).to(Q.dtype.element_ty),
+                     mask=cols < K)
+
+
+def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows_reference` in one kernel (two reads of each row, no temporaries; the same
+    bits: IEEE division, round to nearest even) where the kernels run; the torch ops elsewhere."""
+    if not available(x2):
+        return quantize_rows_reference(x2)
+    m, k = x2.shape
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x2.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x2.device)
+    _quantize_rows_kernel[(m,)](x2, q, scale, k, x2.stride(0), q.stride(0), BLOCK=min(4096, triton.next_power_of_2(k)),
+                                E4M3=E4M3_MAX, num_warps=8 if k >= 4096 else 4)
+    return q, scale
 
 
 def _has_fp8_mm(device: torch.device) -> bool:
@@ -66,9 +115,9 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         few_rows = x.numel() <= WEIGHT_ONLY_MAX_ROWS * self.in_features
         if few_rows and available(x):
-            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+            return stream_linear(x, self.weight, self.weight_scale, self.bias)
         if few_rows or not self.fast:           # few rows without the kernels (CPU, reference_only())
-            return fp8_linear_reference(x, self.weight, self.weight_scale, self.bias)
+            return stream_linear_reference(x, self.weight, self.weight_scale, self.bias)
         return scaled_mm_linear(x, self.weight, self.weight_scale, self.bias)
 
 

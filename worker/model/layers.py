@@ -26,7 +26,7 @@ from torch import nn
 
 from worker.model.attention import cache_attention
 from worker.model.fp8 import Fp8Linear
-from worker.model.fp8_gemm import fp8_linear
+from worker.model.stream_gemm import stream_linear
 from worker.model.fused_ops import available as fused_available
 from worker.model.fused_ops import add_rms_norm, qk_norm_rope_write, silu_mul
 
@@ -78,7 +78,7 @@ def project(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     weights stored transposed for cuBLAS, fp8 modules) through the module."""
     if (GEMV_MAX_ROWS and type(m) is nn.Linear and m.weight.stride(1) == 1
             and x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and fused_available(x)):
-        return fp8_linear(x, m.weight, None, m.bias)
+        return stream_linear(x, m.weight, None, m.bias)
     return m(x)
 
 

@@ -60,7 +60,7 @@ def test_few_row_products_of_out_in_weights_stream_through_the_kernel(monkeypatc
 
     monkeypatch.setattr(layers, "fused_available", lambda x: True)
     calls = []
-    monkeypatch.setattr(layers, "fp8_linear", lambda x, w, scale, bias: calls.append((w.stride(), scale)) or
+    monkeypatch.setattr(layers, "stream_linear", lambda x, w, scale, bias: calls.append((w.stride(), scale)) or
                         torch.nn.functional.linear(x, w, bias))
     m = _linear(False)
     if transposed:

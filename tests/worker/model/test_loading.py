@@ -13,7 +13,7 @@ from worker.config import ConfigError, load_settings
 from worker.demo.layout import write_random_checkpoint
 from worker.model.checkpoint import CheckpointError, load_model
 from worker.model.fp8 import Fp8Linear
-from worker.model.fp8_gemm import E4M3_MAX
+from worker.model.fp8 import E4M3_MAX
 from worker.model.runtime import AlpamayoRuntime, SceneRequest
 
 SUPPORT = ("config.json", "tokenizer.json", "tokenizer_config.json", "preprocessor_config.json")

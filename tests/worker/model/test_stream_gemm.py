@@ -1,4 +1,4 @@
-"""The weight-only fp8 product (worker/model/fp8_gemm.py) through Triton's interpreter on the CPU:
+"""The weight-streaming product (worker/model/stream_gemm.py) through Triton's interpreter on the CPU:
 odd shapes against fp64 of the dequantised product, the same bits on a second launch, and
 Fp8Linear choosing it for few rows. Triton picks interpreter or compiler when a kernel is
 defined, so the cases run in one subprocess with TRITON_INTERPRET=1."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests import REPO_ROOT
-from worker.model.fp8_gemm import fp8_linear
+from worker.model.stream_gemm import stream_linear
 
 _CASES = r"""
 import json
@@ -23,7 +23,7 @@ from unittest import mock
 import torch
 
 import worker.model.fp8 as fp8
-from worker.model.fp8_gemm import LaunchConfig, fp8_linear, launch_config, split_count, SMS_WITHOUT_CUDA
+from worker.model.stream_gemm import LaunchConfig, stream_linear, launch_config, split_count, SMS_WITHOUT_CUDA
 from worker.model.fused_ops import reference_only
 
 gen = torch.Generator().manual_seed(7)
@@ -37,12 +37,12 @@ for m, n, k, dtype, bias, splits in [(1, 37, 300, "float32", True, None), (1, 37
     w8, scale = fp8.quantize_weight(torch.randn(n, k, generator=gen))
     x = torch.randn(m, k, generator=gen).to(dt)
     b = torch.randn(n, generator=gen).to(dt) if bias else None
-    y = fp8_linear(x, w8, scale, b, splits=splits)
+    y = stream_linear(x, w8, scale, b, splits=splits)
     ref = x.double() @ (w8.double() * scale.double()[:, None]).t() + (b.double() if bias else 0)
     out["products"].append(dict(
         case=[m, n, k, dtype, bias, splits], dtype=str(y.dtype)[6:], shape=list(y.shape),
         splits_used=splits or split_count(m, n, k, launch_config(m), SMS_WITHOUT_CUDA),
-        rel_err=float((y.double() - ref).norm() / ref.norm()), same_bits=torch.equal(y, fp8_linear(x, w8, scale, b,
+        rel_err=float((y.double() - ref).norm() / ref.norm()), same_bits=torch.equal(y, stream_linear(x, w8, scale, b,
                                                                                                   splits=splits))))
 # plain products (scale None: a bf16 / fp32 weight), stored (N, K) and transposed (K, N)
 for m, n, k, dtype, transposed in [(1, 37, 600, "bfloat16", False), (1, 37, 600, "bfloat16", True),
@@ -52,7 +52,7 @@ for m, n, k, dtype, transposed in [(1, 37, 600, "bfloat16", False), (1, 37, 600,
     if transposed:
         w = w.t().contiguous().t()
     x = torch.randn(m, k, generator=gen).to(dt)
-    y = fp8_linear(x, w, None)
+    y = stream_linear(x, w, None)
     ref = x.double() @ w.double().t()
     out["plain"].append(dict(case=[m, n, k, dtype, transposed], strides=list(w.stride()), shape=list(y.shape),
                              rel_err=float((y.double() - ref).norm() / ref.norm())))
@@ -61,17 +61,17 @@ lin = fp8.Fp8Linear(torch.nn.Linear(48, 24, bias=False))
 for name, rows, ref_only in [("few", 3, False), ("limit", fp8.WEIGHT_ONLY_MAX_ROWS, False),
                              ("many", fp8.WEIGHT_ONLY_MAX_ROWS + 1, False), ("reference_only", 3, True)]:
     x = torch.randn(rows, 48, generator=gen)
-    with mock.patch.object(fp8, "fp8_linear", wraps=fp8.fp8_linear) as spy:
+    with mock.patch.object(fp8, "stream_linear", wraps=fp8.stream_linear) as spy:
         if ref_only:
             with reference_only():
                 y = lin(x[None])
         else:
             y = lin(x[None])
-    ref = fp8.fp8_linear_reference(x.double(), lin.weight, lin.weight_scale.double())
+    ref = fp8.stream_linear_reference(x.double(), lin.weight, lin.weight_scale.double())
     out["dispatch"][name] = dict(kernel_calls=spy.call_count, shape=list(y.shape),
                                  rel_err=float((y[0].double() - ref).norm() / ref.norm()))
 # per-row activation quantisation for _scaled_mm: the kernel against the torch ops, bit for bit
-from worker.model.fp8_gemm import quantize_rows, quantize_rows_reference
+from worker.model.fp8 import quantize_rows, quantize_rows_reference
 for m, k, dtype in [(5, 300, "bfloat16"), (3, 4100, "bfloat16"), (4, 77, "float32")]:
     x = (torch.randn(m, k, generator=gen) * torch.logspace(-3, 2, m)[:, None]).to(getattr(torch, dtype))
     x[1, 5] = 0.0
@@ -111,7 +111,7 @@ def test_matches_dequantised_product_at_odd_shapes_and_repeats_bit_for_bit(inter
     assert any(p["case"][5] == 3 for p in interpreted["products"])
 
 
-def test_fp8_linear_uses_the_kernel_for_few_rows_only(interpreted):
+def test_fp8_linear_module_uses_the_kernel_for_few_rows_only(interpreted):
     d = interpreted["dispatch"]
     assert d["few"]["kernel_calls"] == 1 and d["limit"]["kernel_calls"] == 1
     assert d["many"]["kernel_calls"] == 0            # CPU: the dequantised reference (GPU: _scaled_mm)
@@ -140,12 +140,12 @@ def test_plain_weights_stored_either_way_give_the_product(interpreted):
 def test_refuses_a_weight_without_a_unit_stride():
     w8 = torch.zeros(8, 32, dtype=torch.float8_e4m3fn)[:, ::2]          # (8, 16) with strides (32, 2)
     with pytest.raises(ValueError, match="contiguous along N or K"):
-        fp8_linear(torch.zeros(1, 16), w8, torch.ones(8))
+        stream_linear(torch.zeros(1, 16), w8, torch.ones(8))
 
 
 @pytest.mark.parametrize("weight_bytes", [1, 2, 4])
 def test_one_row_streams_a_kibibyte_of_each_weight_row_per_step(weight_bytes):
-    from worker.model.fp8_gemm import launch_config
+    from worker.model.stream_gemm import launch_config
 
     c = launch_config(1, weight_bytes)
     assert c.block_m == 1 and c.block_n == 16 and c.block_k * weight_bytes == 1024

@@ -1,10 +1,12 @@
-"""Weight-only fp8 products for few rows: y = x @ (W8 * scale[:, None])^T + bias.
+"""Weight-streaming products for few rows: y = x @ (W * scale[:, None])^T + bias.
 
-x (..., K) in the activation dtype (bf16 on the GPU), W8 (N, K) e4m3 as `Fp8Linear` stores it,
-scale (N,) fp32 per output channel, y (..., N) in x's dtype. With few rows (decode 1-32, verify
-8 tokens per row, draft, expert) the product is bound by the weight's bytes, so the kernel
-streams W8 once (half the bytes of a bf16 weight), widens it to the activation dtype in
-registers, accumulates in fp32 and applies the channel scale (and bias) in the epilogue.
+x (..., K) in the activation dtype (bf16 on the GPU); W (N, K) either e4m3 as `Fp8Linear` stores
+it with scale (N,) fp32 per output channel (the fp8 profiles' weight-only product), or a plain
+weight in the activation dtype with no scale (`layers.project`: the bf16 q/k/v and gate/up
+products of at most 8 rows); y (..., N) in x's dtype. With few rows (decode 1-32, verify 8 tokens
+per row, draft, expert) the product is bound by the weight's bytes, so the kernel streams W once
+(an fp8 weight: half the bytes of bf16), widens it to the activation dtype in registers,
+accumulates in fp32 and applies the channel scale (and bias) in the epilogue.
 
 Two forms, chosen per number of rows by `LAUNCH_CONFIGS`:
   gemv  one row per program: each program reads a (BLOCK_N, BLOCK_K) slab of W8 per step with
@@ -22,8 +24,8 @@ Public designs read first (none copied): gemlite's GEMV / split-K kernels (autot
 summed with atomic adds: not deterministic), vLLM's Triton w8a16 and FBGEMM's fp8 row-wise
 split-K GEMMs.
 
-Elsewhere (no Triton, or inside `fused_ops.reference_only()`) `fp8_linear_reference` is the
-dequantised product. Triton's interpreter (TRITON_INTERPRET=1) runs the kernels on the CPU for
+Elsewhere (no Triton, or inside `fused_ops.reference_only()`) `stream_linear_reference` is the
+(dequantised) product. Triton's interpreter (TRITON_INTERPRET=1) runs the kernels on the CPU for
 tests; its tl.dot mishandles bf16 operands (Triton 3.9), so there the dot form widens both to fp32.
 """
 
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker.model.fused_ops import available, launch_args
+from worker.model.fused_ops import launch_args
 
 try:                                   # Triton ships with CUDA builds of torch; CPU installs may lack it
     import triton
@@ -114,16 +116,18 @@ def split_count(rows: int, n: int, k: int, config: LaunchConfig, sms: int, weigh
     return max(1, min(want, steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS, k // (32 * rows)))
 
 
-def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The dequantised product in x's dtype (what the kernels compute, up to summation order)."""
+def stream_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The (dequantised) product in x's dtype (what the kernels compute, up to summation order)."""
+    if scale is None:
+        return F.linear(x, weight.to(x.dtype), bias)
     w = (weight.to(torch.float32) * scale[:, None].to(torch.float32)).to(x.dtype)
     return F.linear(x, w, bias)
 
 
 if triton is not None:
     @triton.jit
-    def _w8_kernel(X, W, SCALE, BIAS, Y, PART, M, N, K, sx_m, sw_n, sw_k, sy_m, k_per_split,
+    def _stream_kernel(X, W, SCALE, BIAS, Y, PART, M, N, K, sx_m, sw_n, sw_k, sy_m, k_per_split,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                    DOT_FP32: tl.constexpr, GDC: tl.constexpr):
@@ -184,9 +188,10 @@ if triton is not None:
         tl.store(Y + row * sy_m + cols, y.to(Y.dtype.element_ty), mask=ok)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None, config: LaunchConfig | None = None,
-               splits: int | None = None) -> torch.Tensor:
+def stream_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                  bias: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None, config: LaunchConfig | None = None,
+                  splits: int | None = None) -> torch.Tensor:
     """x (..., K), weight (N, K) e4m3 (or, with scale None, in x's dtype: a plain product), scale (N,)
     fp32 or None, bias (N,) or None -> (..., N) in x's dtype (written into `out`, contiguous
     (..., N), when given). The weight may be any (N, K) view with one unit stride (a transposed
@@ -194,7 +199,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
     compares them)."""
     n, k = weight.shape
     if 1 not in weight.stride():
-        raise ValueError(f"fp8_linear: weight must be contiguous along N or K (strides {tuple(weight.stride())})")
+        raise ValueError(f"stream_linear: weight must be contiguous along N or K (strides {tuple(weight.stride())})")
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -210,7 +215,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
     s = scale if scale is not None else y
     b = bias if bias is not None else s
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(rows, config.block_m), splits)
-    _w8_kernel[grid](x2, weight, s, b, y, part, rows, n, k, x2.stride(0), weight.stride(0), weight.stride(1),
+    _stream_kernel[grid](x2, weight, s, b, y, part, rows, n, k, x2.stride(0), weight.stride(0), weight.stride(1),
                      y.stride(0), k_per_split, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                      BLOCK_K=config.block_k, SPLIT=splits, EVEN_K=k % config.block_k == 0,
                      HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, DOT_FP32=_INTERPRETED,
@@ -220,46 +225,3 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
             part, s, b, y, rows, n, y.stride(0), SPLIT=splits, HAS_SCALE=scale is not None,
             HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4, **launch_args(x2))
     return y.view(*x.shape[:-1], n)
-
-
-E4M3_MAX = 448.0
-
-
-def quantize_rows_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x2 (M, K) -> (e4m3 (M, K), fp32 scale (M, 1)) with x2 ≈ q * scale: one scale per row, its
-    largest magnitude mapped to e4m3's largest value (torch ops: five passes, fp32 temporaries)."""
-    scale = (x2.abs().amax(dim=1, keepdim=True).float() / E4M3_MAX).clamp(min=1e-12)
-    return (x2.float() / scale).to(torch.float8_e4m3fn), scale
-
-
-if triton is not None:
-    @triton.jit
-    def _quantize_rows_kernel(X, Q, S, K, sx, sq, BLOCK: tl.constexpr, E4M3: tl.constexpr):
-        row = tl.program_id(0)
-        amax = tl.zeros((BLOCK,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK):
-            cols = k0 + tl.arange(0, BLOCK)
-            x = tl.load(X + row * sx + cols, mask=cols < K, other=0.0)
-            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        scale = tl.maximum(tl.max(amax, 0) / E4M3, 1e-12)
-        tl.store(S + row, scale)
-        for k0 in range(0, K, BLOCK):
-            cols = k0 + tl.arange(0, BLOCK)
-            x = tl.load(X + row * sx + cols, mask=cols < K, other=0.0)
-            tl.store(Q + row * sq + cols, tl.math.div_rn(x.to(tl.float32), scale).to(Q.dtype.element_ty),
-                     mask=cols < K)
-
-
-def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_rows_reference` in one kernel (two reads of each row, no temporaries; the same
-    bits: IEEE division, round to nearest even) where the kernels run; the torch ops elsewhere."""
-    if not available(x2):
-        return quantize_rows_reference(x2)
-    m, k = x2.shape
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x2.device)
-    scale = torch.empty(m, 1, dtype=torch.float32, device=x2.device)
-    _quantize_rows_kernel[(m,)](x2, q, scale, k, x2.stride(0), q.stride(0), BLOCK=min(4096, triton.next_power_of_2(k)),
-                                E4M3=E4M3_MAX, num_warps=8 if k >= 4096 else 4)
-    return q, scale
