@@ -39,7 +39,9 @@ def available(x: torch.Tensor) -> bool:
 # previous kernel of the stream is still finishing; its first instruction waits for that kernel's
 # completion and memory (`griddepcontrol.wait`), then lets the next kernel launch early. What it
 # hides is the launch gap between the many small kernels of a decode step (captured in the same
-# CUDA graphs). Off: plain launches (the A/B of `python -m worker.bench`).
+# CUDA graphs). Off: plain launches. Measured on the H200 (2026-12-01, docs/benchmarks.md): the
+# decode step at batch 1 16.97 against 17.21 ms, and 17.85-18.06 against 18.11 ms before the
+# one-row products changed.
 PDL = True
 _capability: dict[int, tuple[int, int]] = {}
 
