@@ -26,6 +26,7 @@ from worker.model.decoder import apply_rope, rms_norm, rope_cos_sin  # noqa: E40
 from worker.model.fp8 import (WEIGHT_ONLY_MAX_ROWS, quantize_model_fp8, quantize_rows,  # noqa: E402
                               quantize_rows_reference, quantize_weight, scaled_mm_linear)
 from worker.model.fused_ops import add_rms_norm, qk_norm_rope_write, reference_only, silu_mul  # noqa: E402
+from worker.model.layers import GEMV_MAX_ROWS  # noqa: E402
 from worker.model.stream_gemm import LaunchConfig, launch_config, stream_linear  # noqa: E402
 
 # (rows, T, Hq, Hkv, D, capacity) per use; capacity includes free columns after the live keys.
@@ -288,10 +289,11 @@ def copy_bandwidth(dev) -> float:
 
 
 def sweep_weight_gemms(dev, gen) -> None:
-    """Times the 32B layer's weight products at M = 1, 8, 32, 128, 256 rows in three forms: F.linear
-    on the (N, K) weight (today's), the same through cuBLASLt, and x @ W^T stored (K, N)
-    contiguous, with the microseconds each matrix's bytes take at the copy bandwidth measured here
-    (GPU only; prints a table, chooses nothing)."""
+    """Times the 32B layer's weight products at M = 1, 8, 32, 128, 256 rows in four forms: F.linear
+    on the (N, K) weight, the same through cuBLASLt, x @ W^T stored (K, N) contiguous, and (up to
+    `layers.GEMV_MAX_ROWS` rows) the Triton weight-streaming product on the (N, K) weight, with the
+    microseconds each matrix's bytes take at the copy bandwidth measured here (GPU only; prints a
+    table, chooses nothing)."""
     import triton.testing
 
     n_hidden, n_inter, n_qkv = 5120, 25600, (64 + 16) * 128
@@ -299,7 +301,7 @@ def sweep_weight_gemms(dev, gen) -> None:
               "o": (n_hidden, 64 * 128)}
     bw = copy_bandwidth(dev)
     print(f"| weight product (copy bandwidth {bw / 1e12:.2f} TB/s) | M | bytes floor us | F.linear us "
-          f"| cuBLASLt us | x @ W^T (K, N) us |\n|---|---|---|---|---|---|")
+          f"| cuBLASLt us | x @ W^T (K, N) us | stream_linear (N, K) us |\n|---|---|---|---|---|---|---|")
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device=dev, generator=gen).to(torch.bfloat16)
         wt = w.t().contiguous()
@@ -315,8 +317,11 @@ def sweep_weight_gemms(dev, gen) -> None:
                     times.append(triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e3)
                 finally:
                     torch.backends.cuda.preferred_blas_library(prev)
+            stream = (triton.testing.do_bench(lambda w=w, x=x: stream_linear(x, w, None), warmup=10, rep=100,
+                                              return_mode="median") * 1e3) if m <= GEMV_MAX_ROWS else None
             print(f"| {name} ({n}x{k}) | {m} | {w.numel() * 2 / bw * 1e6:.1f} | "
-                  + " | ".join(f"{t:.1f}" for t in times) + " |", flush=True)
+                  + " | ".join(f"{t:.1f}" for t in times) + f" | {'-' if stream is None else f'{stream:.1f}'} |",
+                  flush=True)
         del w, wt
 
 
