@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from producer_tools.common import ToolError
 from worker.demo_cache import demo_checkpoint
-from worker.scenes import generate_scene
+from worker.scenes import DEFAULT_IMAGE_SIZE, generate_scene
 from worker.scenes.request import runtime_request
 from worker.uncertainty import uncertainty_block
 
@@ -50,7 +50,7 @@ class CalibrationOptions:
     scenes: int = 64
     seed: int = 0
     ks: Sequence[int] = (3, 6)
-    image_size: tuple[int, int] = (64, 64)
+    image_size: tuple[int, int] = DEFAULT_IMAGE_SIZE
     progress: bool = True
     cache_root: str | None = None
     trajectory_max_new: int | None = None   # reasoning cap (None: the release's 256)

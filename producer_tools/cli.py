@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--manifest", help="JSONL or Parquet manifest of scenes")
     src.add_argument("--synthetic", type=int, metavar="N", help="N synthetic scenes")
     pp.add_argument("--seed", type=int, default=0, help="first synthetic scene seed (default 0)")
-    pp.add_argument("--image-size", type=_size2, default=(64, 64), help="synthetic image WxH (default 64x64)")
+    pp.add_argument("--image-size", type=_size2, default=None,
+                    help="synthetic image WxH (default: worker.scenes.DEFAULT_IMAGE_SIZE, what the shipped demo model was trained on)")
     pp.add_argument("--image-format", choices=("png", "jpeg"), default="png", help="synthetic image format (default png)")
     pp.add_argument("--tasks", "--task", type=_tasks, default=["trajectory"],
                     help="task or comma list, or 'all' (default trajectory)")
@@ -275,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     qp.add_argument("--scenes", type=int, help="scenes per task (default 8; with --uncertainty 64)")
     qp.add_argument("--seed", type=int, default=0, help="first synthetic scene seed (default 0)")
     qp.add_argument("--scenes-dir", help="scene files instead of synthetic scenes")
-    qp.add_argument("--image-size", type=_size2, default=(64, 64), help="synthetic image WxH (default 64x64)")
+    qp.add_argument("--image-size", type=_size2, default=None,
+                    help="synthetic image WxH (default: worker.scenes.DEFAULT_IMAGE_SIZE, what the shipped demo model was trained on)")
     qp.add_argument("--tasks", type=_tasks, default=list(TASK_CHOICES), help="default all five")
     qp.add_argument("--repeats", type=int, default=1, help="timed repeats per scene (default 1)")
     qp.add_argument("--k", type=int, default=1, help="num_traj_samples (default 1)")
@@ -318,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--out", required=True, help="directory to write *.msgpack scene files into")
     sc.add_argument("--n", type=int, required=True, help="how many scenes")
     sc.add_argument("--seed", type=int, default=0, help="first scene seed (default 0)")
-    sc.add_argument("--image-size", type=_size2, default=(64, 64), help="image WxH (default 64x64)")
+    sc.add_argument("--image-size", type=_size2, default=None,
+                    help="image WxH (default: worker.scenes.DEFAULT_IMAGE_SIZE, what the shipped demo model was trained on)")
     sc.add_argument("--image-format", choices=("png", "jpeg"), default="png", help="image format (default png)")
     return ap
 
@@ -385,8 +388,11 @@ def cmd_publish(args) -> int:
         scene_tasks = manifest_tasks(args.manifest)
         source = f"manifest:{args.manifest}"
     else:
-        total, items = iter_synthetic(args.synthetic, args.seed, args.image_size, args.image_format)
-        source = f"synthetic:{args.synthetic}@{args.seed}:{args.image_size[0]}x{args.image_size[1]}:{args.image_format}"
+        from worker.scenes import DEFAULT_IMAGE_SIZE
+
+        size = args.image_size or DEFAULT_IMAGE_SIZE
+        total, items = iter_synthetic(args.synthetic, args.seed, size, args.image_format)
+        source = f"synthetic:{args.synthetic}@{args.seed}:{size[0]}x{size[1]}:{args.image_format}"
     if not 1 <= args.k <= 16:
         die("--k must be in 1..16")
     if args.k > 1 and args.temperature == 0:
@@ -470,7 +476,7 @@ def cmd_qualify(args) -> int:
         out=args.out, checkpoint=args.checkpoint, head=args.head, random_head=args.random_head,
         precision=args.precision, device=args.device, fp32=args.fp32, scenes=args.scenes or QualifyOptions.scenes,
         seed=args.seed,
-        scenes_dir=args.scenes_dir, image_size=args.image_size, tasks=args.tasks, repeats=args.repeats, k=args.k,
+        scenes_dir=args.scenes_dir, image_size=args.image_size or QualifyOptions.image_size, tasks=args.tasks, repeats=args.repeats, k=args.k,
         temperature=args.temperature, max_tokens=args.max_tokens, trajectory_max_new=args.trajectory_max_new,
         trajectory_atol=args.trajectory_atol,
         progress=not args.no_progress, cache_root=args.cache_root)
@@ -488,7 +494,7 @@ def _qualify_uncertainty(args) -> int:
 
     s = calibrate(CalibrationOptions(out=args.out, checkpoint=args.checkpoint, device=args.device,
                                      scenes=args.scenes or CalibrationOptions.scenes,
-                                     seed=args.seed, ks=args.ks, image_size=args.image_size,
+                                     seed=args.seed, ks=args.ks, image_size=args.image_size or CalibrationOptions.image_size,
                                      progress=not args.no_progress, cache_root=args.cache_root,
                                      trajectory_max_new=args.trajectory_max_new))
     print(s["table"])
@@ -525,9 +531,10 @@ def cmd_report(args) -> int:
 
 
 def cmd_scenes(args) -> int:
-    from worker.scenes import write_scenes
+    from worker.scenes import DEFAULT_IMAGE_SIZE, write_scenes
 
-    paths = write_scenes(args.out, args.n, args.seed, args.image_size, image_format=args.image_format)
+    paths = write_scenes(args.out, args.n, args.seed, args.image_size or DEFAULT_IMAGE_SIZE,
+                         image_format=args.image_format)
     print(f"wrote {len(paths)} scene files to {args.out}")
     return 0
 

@@ -44,7 +44,7 @@ from tqdm import tqdm
 from producer_tools.common import ToolError, percentile
 from worker.demo_cache import demo_checkpoint, demo_head
 from schemas import TASKS as ALL_TASKS
-from worker.scenes import bev_plot, generate_scene, read_scene
+from worker.scenes import DEFAULT_IMAGE_SIZE, bev_plot, generate_scene, read_scene
 from worker.scenes.request import runtime_request
 
 __all__ = ["QualifyOptions", "qualify", "format_table", "random_head"]
@@ -62,7 +62,7 @@ class QualifyOptions:
     scenes: int = 8
     seed: int = 0
     scenes_dir: str | None = None
-    image_size: tuple[int, int] = (64, 64)
+    image_size: tuple[int, int] = DEFAULT_IMAGE_SIZE
     tasks: Sequence[str] = ALL_TASKS
     repeats: int = 1
     k: int = 1

@@ -21,7 +21,7 @@ from urllib.parse import unquote, urlparse
 
 import schemas as S
 from producer_tools.common import ToolError
-from worker.scenes import generate_scene, read_scene
+from worker.scenes import DEFAULT_IMAGE_SIZE, generate_scene, read_scene
 from worker.scenes.request import SceneItem, scene_item
 
 __all__ = ["iter_scene_dir", "iter_manifest", "manifest_tasks", "iter_synthetic"]
@@ -119,7 +119,7 @@ def manifest_tasks(path: str | os.PathLike) -> list[list[str] | None]:
     return [_row_tasks(r) for r in _manifest_rows(Path(path))]
 
 
-def iter_synthetic(n: int, seed: int = 0, image_size: tuple[int, int] = (64, 64),
+def iter_synthetic(n: int, seed: int = 0, image_size: tuple[int, int] = DEFAULT_IMAGE_SIZE,
                    image_format: str = "png") -> tuple[int, Iterator[SceneItem]]:
     """(n, items) of synthetic scenes seed .. seed+n-1, generated lazily."""
     return n, (scene_item(generate_scene(seed + i, image_size, image_format=image_format)) for i in range(n))

@@ -35,13 +35,13 @@ from pathlib import Path
 
 from schemas import CAMERAS
 from worker.demo import report
+from worker.scenes import DEFAULT_IMAGE_SIZE
 from worker.demo_cache import COMPLETE_MARKER, DEMO_VERSION, checkpoint_dir, file_lock, is_complete
 
 # Everything that imports torch (torch itself, worker.model.*, worker.demo.layout/train) is imported
 # inside the functions that train: a cached checkpoint is answered without importing torch.
 
 HELDOUT_SEED_OFFSET = 50_000          # held-out scene seeds: seed * 100_000 + 50_000 + i
-IMAGE_SIZE = (64, 64)                 # (width, height) the scenes are rendered at (the producers' default)
 TORCH_THREADS = 1                     # see _deterministic_torch
 EVAL_K = 3
 EVAL_TEMPERATURE = 0.6
@@ -63,7 +63,7 @@ class Recipe:
     train: dict                       # worker.demo.train.TrainConfig fields
     refine: dict                      # worker.demo.train.RefineConfig fields
     refine_contexts: int = 0          # trajectory contexts the refinement draws from (0: all)
-    image_size: tuple[int, int] = IMAGE_SIZE  # (width, height) the recipe renders its scenes at
+    image_size: tuple[int, int] = DEFAULT_IMAGE_SIZE  # (width, height) the recipe renders its scenes at
     # weights kept at their (seeded) random initialisation, by name fragment: fixed random
     # features. The CPU recipe's 600 scenes x 170 steps learn the light colour only this way
     # (measured in docs/demo-model.md: training them too named it in 52-55% of samples, not 99%)
@@ -84,7 +84,7 @@ RECIPES = {
                           "mlp.up_proj.")),
     # minutes on one GPU: 13x the scenes, a 3.5x wider model seeing 16 visual tokens per image
     "gpu": Recipe("gpu", train_scenes=8000, text_task_scenes=2000, heldout_scenes=64, vocab_size=1500,
-                  model_pixels=128 * 128,
+                  model_pixels=128 * 128, image_size=(64, 64),
                   dims=dict(hidden=256, intermediate=768, layers=4, heads=8, kv_heads=4, head_dim=32,
                             expert_hidden=128, expert_intermediate=384, expert_heads=4, vision_hidden=128,
                             vision_intermediate=256, vision_depth=2, vision_heads=4, deepstack=(0,),
@@ -196,17 +196,19 @@ def tokenizer_corpus(scenes) -> list[str]:
 _POOL_RUNTIME = None                  # the CPU runtime forked pool workers build examples with
 
 
-def _scene(seed: int, image_size: tuple[int, int] = IMAGE_SIZE):
+def _scene(seed: int, image_size: tuple[int, int] = DEFAULT_IMAGE_SIZE):
     from worker.scenes import generate_scene
 
     return generate_scene(seed, image_size)
 
 
 def scene_image_size(checkpoint: str | os.PathLike) -> tuple[int, int]:
-    """(width, height) a built checkpoint's scenes were rendered at (its quality.json; IMAGE_SIZE
-    without one), so its held-out bars and its DFlash2 head's data see what it was trained on."""
+    """(width, height) a built checkpoint's scenes were rendered at (its quality.json; the
+    generator's default without one), so its held-out bars and its DFlash2 head's data see what it
+    was trained on."""
     q = Path(checkpoint) / "quality.json"
-    size = load_quality(Path(checkpoint))["build"].get("image_size", IMAGE_SIZE) if q.is_file() else IMAGE_SIZE
+    size = load_quality(Path(checkpoint))["build"].get("image_size", DEFAULT_IMAGE_SIZE) if q.is_file() \
+        else DEFAULT_IMAGE_SIZE
     return int(size[0]), int(size[1])
 
 

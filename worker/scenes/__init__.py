@@ -40,13 +40,14 @@ from worker.scenes.generate import generate_scene, iter_scenes
 from worker.scenes.planner import ego_history, plan_future
 from worker.scenes.plots import bev_figure, bev_plot, distribution_report
 from worker.scenes.render import lead_bbox, render_images
-from worker.scenes.structs import (CAMERA_NAMES, FRAME_OFFSETS_S, FUTURE_TIMES_S, GROUNDING_QUESTION,
+from worker.scenes.structs import (CAMERA_NAMES, DEFAULT_IMAGE_SIZE, FRAME_OFFSETS_S, FUTURE_TIMES_S, GROUNDING_QUESTION,
                                    HISTORY_TIMES_S, LIGHT_STATES, OtherVehicle, Plan, Scene, SceneFacts,
                                    SceneText, TRAJ_CAMERA_IDS, TaskDefaults, VQA_CAMERA_IDS, VQA_QUESTIONS)
 from worker.scenes.text import scene_text
 
 __all__ = [
     "CAMERA_NAMES",
+    "DEFAULT_IMAGE_SIZE",
     "TRAJ_CAMERA_IDS",
     "VQA_CAMERA_IDS",
     "FRAME_OFFSETS_S",

@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 
 from worker.scenes.generate import iter_scenes
-from worker.scenes.structs import Scene
+from worker.scenes.structs import DEFAULT_IMAGE_SIZE, Scene
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -36,7 +36,7 @@ def read_scene(path: str | os.PathLike) -> Scene:
 
 
 def write_scenes(out_dir: str | os.PathLike, n: int, seed0: int = 0,
-                 image_size: tuple[int, int] = (64, 64), **kwargs) -> list[Path]:  # fmt: skip
+                 image_size: tuple[int, int] = DEFAULT_IMAGE_SIZE, **kwargs) -> list[Path]:  # fmt: skip
     """Write scene-<scene_id>.msgpack files for seeds seed0 .. seed0+n-1; returns the paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

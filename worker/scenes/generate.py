@@ -9,7 +9,7 @@ import numpy as np
 from worker.scenes.facts import sample_facts
 from worker.scenes.planner import ego_history, yaw_rot
 from worker.scenes.render import lead_bbox, render_images
-from worker.scenes.structs import (CAMERA_NAMES, FRAME_OFFSETS_S, TRAJ_CAMERA_IDS, VQA_CAMERA_IDS,
+from worker.scenes.structs import (CAMERA_NAMES, DEFAULT_IMAGE_SIZE, FRAME_OFFSETS_S, TRAJ_CAMERA_IDS, VQA_CAMERA_IDS,
                                    VQA_QUESTIONS, Scene, TaskDefaults)
 from worker.scenes.text import scene_text
 
@@ -18,7 +18,7 @@ def scene_id_for(seed: int) -> str:
     return f"synth-{seed:08d}"
 
 
-def generate_scene(seed: int, image_size: tuple[int, int] = (64, 64),
+def generate_scene(seed: int, image_size: tuple[int, int] = DEFAULT_IMAGE_SIZE,
                    task_defaults: TaskDefaults | None = None, *, image_format: str = "png",
                    noise: int | None = None, jpeg_quality: int = 90) -> Scene:  # fmt: skip
     """One synthetic scene; a pure function of its arguments (same seed -> identical bytes).
@@ -60,7 +60,7 @@ def generate_scene(seed: int, image_size: tuple[int, int] = (64, 64),
     )
 
 
-def iter_scenes(n: int, seed0: int = 0, image_size: tuple[int, int] = (64, 64),
+def iter_scenes(n: int, seed0: int = 0, image_size: tuple[int, int] = DEFAULT_IMAGE_SIZE,
                 **kwargs) -> Iterator[Scene]:  # fmt: skip
     """Scenes for seeds seed0 .. seed0+n-1 (kwargs go to generate_scene)."""
     for i in range(n):

@@ -15,7 +15,7 @@ from PIL import Image, ImageDraw
 
 from worker.scenes.planner import history_s
 from worker.scenes.road import arc_point, arc_points
-from worker.scenes.structs import FRAME_OFFSETS_S, LANE_WIDTH, ROAD_HALF_WIDTH, SceneFacts
+from worker.scenes.structs import DEFAULT_IMAGE_SIZE, FRAME_OFFSETS_S, LANE_WIDTH, ROAD_HALF_WIDTH, SceneFacts
 
 
 class _Cam:
@@ -203,7 +203,7 @@ def front_box_norm(k: float, s: float, d: float, kind: str) -> tuple[float, floa
     return x1 / 1000.0, y1 / 1000.0, x2 / 1000.0, y2 / 1000.0
 
 
-def lead_bbox(f: SceneFacts, image_size: tuple[int, int] = (64, 64)) -> tuple[int, int, int, int] | None:
+def lead_bbox(f: SceneFacts, image_size: tuple[int, int] = DEFAULT_IMAGE_SIZE) -> tuple[int, int, int, int] | None:
     """The lead vehicle's box in the front-wide camera, last frame (t0), Qwen 0-1000 scale."""
     if not f.lead_present:
         return None
@@ -395,7 +395,7 @@ def _encode(img: Image.Image, image_format: str, noise: int, offset: int, jpeg_q
     return buf.getvalue()
 
 
-def render_images(f: SceneFacts, camera_ids: Iterable[int], image_size: tuple[int, int] = (64, 64),
+def render_images(f: SceneFacts, camera_ids: Iterable[int], image_size: tuple[int, int] = DEFAULT_IMAGE_SIZE,
                   *, seed: int = 0, image_format: str = "png", noise: int | None = None,
                   jpeg_quality: int = 90) -> dict[int, list[bytes]]:  # fmt: skip
     """Encoded frames (oldest first) per camera id. Deterministic in (facts, seed, options)."""

@@ -11,6 +11,10 @@ N_FUTURE = 64
 HISTORY_TIMES_S: tuple[float, ...] = tuple(round(-1.5 + DT * i, 1) for i in range(N_HISTORY))
 FUTURE_TIMES_S: tuple[float, ...] = tuple(round(DT * (i + 1), 1) for i in range(N_FUTURE))
 FRAME_OFFSETS_S: tuple[float, ...] = (-0.3, -0.2, -0.1, 0.0)
+# (width, height) synthetic scenes are rendered at unless a caller says otherwise: what the producer
+# tools, `make demo`, qualify and calibration send (the shipped demo checkpoint's training scenes;
+# its quality.json records the size, `worker.demo.build.scene_image_size`)
+DEFAULT_IMAGE_SIZE: tuple[int, int] = (64, 64)
 
 CAMERA_NAMES: dict[int, str] = {
     0: "camera_cross_left_120fov",

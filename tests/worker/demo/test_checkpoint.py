@@ -4,6 +4,8 @@ recipe builder's cache reuse; the training data pipeline deterministic."""
 
 from __future__ import annotations
 
+from worker.scenes import DEFAULT_IMAGE_SIZE
+
 import json
 import os
 import subprocess
@@ -217,14 +219,14 @@ def test_training_data_pipeline_is_deterministic(ckpt, runtime, quality):
     from worker.scenes.request import runtime_request
 
     seeds = build.train_seeds(0)[:200]
-    scenes = [generate_scene(s, build.IMAGE_SIZE) for s in seeds]
+    scenes = [generate_scene(s, DEFAULT_IMAGE_SIZE) for s in seeds]
     tok = build_tokenizer(build.tokenizer_corpus(scenes), 600)
-    again = build_tokenizer(build.tokenizer_corpus([generate_scene(s, build.IMAGE_SIZE) for s in seeds]), 600)
+    again = build_tokenizer(build.tokenizer_corpus([generate_scene(s, DEFAULT_IMAGE_SIZE) for s in seeds]), 600)
     assert json.loads(tok.to_str()) == json.loads(again.to_str())
 
     few = scenes[:2]
     a = train.build_examples(runtime, few, key_weights=(10.0, 3.0, 3.0))
-    b = train.build_examples(runtime, [generate_scene(s, build.IMAGE_SIZE) for s in seeds[:2]],
+    b = train.build_examples(runtime, [generate_scene(s, DEFAULT_IMAGE_SIZE) for s in seeds[:2]],
                              key_weights=(10.0, 3.0, 3.0))
     assert [e.task for e in a] == list(train.TASKS) * 2
     for x, y in zip(a, b):
@@ -265,7 +267,7 @@ def test_a_training_step_moves_every_weight_of_a_model_the_runtime_was_built_ove
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     assert not frozen, frozen
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    examples = train.build_examples(runtime, [generate_scene(s, build.IMAGE_SIZE) for s in build.train_seeds(0)[:2]],
+    examples = train.build_examples(runtime, [generate_scene(s, DEFAULT_IMAGE_SIZE) for s in build.train_seeds(0)[:2]],
                                     tasks=("trajectory",))
     train.train(model, runtime, examples, train.TrainConfig(steps=1, warmup=1, per_step=(("trajectory", 2),)))
     unchanged = [n for n, p in model.named_parameters() if p.ndim >= 2 and torch.equal(p, before[n])]
@@ -277,11 +279,11 @@ import sys, torch
 from worker.demo import build, train
 from worker.model.fused_ops import available
 from worker.model.runtime import AlpamayoRuntime
-from worker.scenes import generate_scene
+from worker.scenes import DEFAULT_IMAGE_SIZE, generate_scene
 rt = AlpamayoRuntime.load(sys.argv[1], device="cpu", dtype=torch.float32)
 assert available(torch.zeros(1))                      # the fused kernels run here (interpreter)
 rt.model.requires_grad_(True)
-ex = train.build_examples(rt, [generate_scene(s, build.IMAGE_SIZE) for s in build.train_seeds(0)[:2]],
+ex = train.build_examples(rt, [generate_scene(s, DEFAULT_IMAGE_SIZE) for s in build.train_seeds(0)[:2]],
                           tasks=("trajectory",))
 layer0 = lambda: {n: p for n, p in rt.model.expert.named_parameters() if "layers.0." in n and p.ndim == 2}
 before = {n: p.detach().clone() for n, p in layer0().items()}
@@ -315,7 +317,7 @@ def test_fast_vision_paths_give_the_vision_tower_the_same_output(ckpt, runtime):
     from worker.scenes import generate_scene
     from worker.scenes.request import runtime_frames
 
-    frames = runtime_frames(generate_scene(7, build.IMAGE_SIZE))[0]
+    frames = runtime_frames(generate_scene(7, DEFAULT_IMAGE_SIZE))[0]
     pixels, grid = runtime.image_proc(torch.from_numpy(np.asarray(frames)))
     visual = runtime.model.vlm.model.visual
     calls = []

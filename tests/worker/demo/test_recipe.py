@@ -4,6 +4,8 @@ checkpoint records (its held-out bars and head data are rendered at it)."""
 
 from __future__ import annotations
 
+from worker.scenes import DEFAULT_IMAGE_SIZE
+
 import io
 import json
 import re
@@ -64,7 +66,7 @@ def test_scenes_with_a_lead_vehicle_come_twice_per_epoch_when_asked():
 
 
 def test_a_checkpoint_is_measured_on_scenes_rendered_at_its_recorded_size(tmp_path, monkeypatch):
-    assert build.RECIPES["gpu2"].image_size == (128, 128) and build.RECIPES["gpu"].image_size == build.IMAGE_SIZE
+    assert build.RECIPES["gpu2"].image_size == (128, 128) and build.RECIPES["gpu"].image_size == DEFAULT_IMAGE_SIZE
     (tmp_path / "quality.json").write_text(json.dumps({"build": {"image_size": [128, 128],
                                                                  "heldout_scene_seeds": [50000, 50001]}}))
     assert build.scene_image_size(tmp_path) == (128, 128)

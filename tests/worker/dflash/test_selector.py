@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.dflash.draft import MASK_TOKEN, DraftModel
+from worker.scenes import DEFAULT_IMAGE_SIZE
 from worker.dflash.head import head_config_for
 from worker.dflash.loop import DFlash2Speculator
 from worker.model.runtime import AlpamayoRuntime
@@ -90,7 +91,7 @@ def test_zeroing_the_shipped_selector_changes_proposals_and_lowers_heldout_accep
     spec = AlpamayoRuntime.load(ckpt, device="cpu", dtype=torch.float32,
                                 speculator_factory=DFlash2Speculator.factory(str(demo_head(ckpt))))
     seeds = build.heldout_seeds(0, build.RECIPES["gpu"])[:16]
-    requests = [runtime_request(generate_scene(s, build.IMAGE_SIZE), "trajectory", seed=1000 + i)
+    requests = [runtime_request(generate_scene(s, DEFAULT_IMAGE_SIZE), "trajectory", seed=1000 + i)
                 for i, s in enumerate(seeds)]
 
     def run():
