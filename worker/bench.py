@@ -501,6 +501,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="only profile the decode/verify/draft/expert kernels; write DIR/profile.txt")
     ap.add_argument("--profile-prefill", default=None, metavar="DIR",
                     help="only profile one 24-image scene's prefill, bf16 then fp8; write DIR/prefill.txt")
+    ap.add_argument("--profile-demo", default=None, metavar="DIR",
+                    help="only profile one batch of 16 demo scenes (needs --demo, --head), baseline then dflash2; "
+                         "write DIR/demo.txt")
     ap.add_argument("--config-only", default=None, metavar="DIR",
                     help="write a config-only directory of --shape (ALPAMAYO_LOAD_FORMAT=dummy serves it) and exit")
     args = ap.parse_args(argv)
@@ -511,6 +514,13 @@ def main(argv: list[str] | None = None) -> int:
         from worker.bench_throughput import profile_prefill
 
         profile_prefill(shape=args.shape, out_dir=args.profile_prefill)
+        return 0
+    if args.profile_demo:
+        if not (args.demo and args.head):
+            ap.error("--profile-demo needs --demo CKPT and --head HEAD")
+        from worker.bench_throughput import profile_demo
+
+        profile_demo(args.demo, args.head, out_dir=args.profile_demo)
         return 0
     if args.throughput:
         from worker import bench_throughput     # it imports this module's helpers

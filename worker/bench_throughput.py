@@ -424,3 +424,53 @@ def profile_prefill(image_hw: tuple[int, int] | None = None, shape: str = "32b",
         (Path(out_dir) / "prefill.txt").write_text(report + "\n")
     print(report, flush=True)
     return report
+
+
+def profile_demo(checkpoint: str, head: str, out_dir: str | None = None, n: int = 16) -> str:
+    """Where one batch of `n` held-out demo scenes (K=1, greedy) spends its time, baseline then
+    dflash2 with its real head: wall time, the first scene's stages, the target steps run, and
+    torch.profiler tables (host ops by self CPU time; kernels by GPU time) with the counts of
+    kernel launches and graph replays. -> the report (also DIR/demo.txt).
+    `python -m worker.bench --profile-demo DIR --demo CKPT --head HEAD`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from worker.dflash.train import demo_requests
+    from worker.model.runtime import AlpamayoRuntime
+
+    gpu = torch.cuda.is_available()
+    reqs = demo_requests(range(92_000_000, 92_000_000 + n), k=1, temperature=0.0)
+    lines = [f"# demo batch profile: {checkpoint}, {n} scenes, K=1, greedy"]
+    for name, factory in (("baseline", None), ("dflash2", DFlash2Speculator.factory(head))):
+        rt = AlpamayoRuntime.load(checkpoint, speculator_factory=factory)
+        rt.enable_graphs(max_rows=n, capacity=1024)
+        if factory is not None:
+            rt.calibrate_speculation()
+        for _ in range(2):
+            rt.run(reqs)                    # graphs captured, the policy's acceptance learnt
+        wall = timeit(lambda: rt.run(reqs), warmup=0, reps=3) * 1e3
+        res = rt.run(reqs)
+        steps = sum(r.speculative.steps for r in res) if res[0].speculative is not None else None
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+        with profile(activities=acts) as prof:
+            rt.run(reqs)
+            _sync()
+        ka = prof.key_averages()
+        calls = {e.key: e.count for e in ka}
+        stages = ", ".join(f"{k} {v:.1f}" for k, v in res[0].timings_ms.items())
+        lines.append(f"\n## {name}: batch {wall:.1f} ms; first scene (ms): {stages}; "
+                     + (f"verify steps {steps}; " if steps is not None else "")
+                     + f"kernel launches {calls.get('cudaLaunchKernel', 0) + calls.get('cuLaunchKernelEx', 0)}, "
+                       f"graph replays {calls.get('cudaGraphLaunch', 0)}, host syncs "
+                       f"{calls.get('cudaStreamSynchronize', 0) + calls.get('aten::item', 0)}")
+        if gpu:
+            lines.append(f"\n### {name}: kernels by GPU time\n"
+                         + ka.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=80))
+        lines.append(f"\n### {name}: host ops by self CPU time\n"
+                     + ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=80))
+    report = "\n".join(lines)
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "demo.txt").write_text(report + "\n")
+    print(report, flush=True)
+    return report
+

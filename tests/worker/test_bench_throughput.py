@@ -56,3 +56,19 @@ def test_demo_fp8_compares_prefill_logits_and_reasoning_with_bf16():
     same = int(re.search(r"\| (\d)/2 \| (met|missed) \|$", rows[1]).group(1))
     assert rows[1].endswith("| met |" if same >= 2 * 0.8 else "| missed |")
     assert "identical greedy reasoning" in t.markdown()
+
+
+def test_profile_demo_reports_both_loops_with_their_launch_counts(tmp_path):
+    """`--profile-demo`: one batch of demo scenes, baseline then dflash2, each with its stages,
+    launch / replay / sync counts and the host-op table (the GPU run adds kernels by GPU time)."""
+    from worker.bench_throughput import profile_demo
+    from worker.demo_cache import demo_checkpoint, demo_head
+
+    ckpt = demo_checkpoint()
+    report = profile_demo(str(ckpt), str(demo_head(ckpt)), out_dir=str(tmp_path), n=2)
+    assert (tmp_path / "demo.txt").read_text().strip() == report.strip()
+    base, spec = report.split("\n## baseline: ")[1].split("\n## dflash2: ")
+    assert "first scene (ms): image_prep" in base and "verify steps" not in base.splitlines()[0]
+    assert re.search(r"verify steps [1-9]\d*;", spec.splitlines()[0])
+    for part in (base, spec):
+        assert "kernel launches" in part and "host ops by self CPU time" in part
