@@ -367,8 +367,6 @@ def profile_prefill(image_hw: tuple[int, int] | None = None, shape: str = "32b",
     prefill, of the vision tower alone and of the text stack alone (CUDA-synchronised, median of 3),
     then torch.profiler kernel and host-op tables of one prefill. -> the report (also DIR/prefill.txt).
     `python -m worker.bench --profile-prefill DIR`."""
-    from torch.profiler import ProfilerActivity, profile
-
     gpu = torch.cuda.is_available()
     dev = torch.device("cuda" if gpu else "cpu")
     dtype = torch.bfloat16 if gpu else torch.float32
@@ -408,20 +406,33 @@ def profile_prefill(image_hw: tuple[int, int] | None = None, shape: str = "32b",
             text = wall(text_only)
             lines.append(f"\n## {precision}: prefill {full:.1f} ms = vision tower {vision:.1f} ms + text stack "
                          f"(no images) {text:.1f} ms + rest {full - vision - text:.1f} ms")
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-            with profile(activities=acts) as prof:
-                rt._prefill(p, ())
-                _sync()
-            ka = prof.key_averages()
-            if gpu:
-                lines.append(f"\n### {precision}: kernels by GPU time\n"
-                             + ka.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=90))
-            lines.append(f"\n### {precision}: host ops by self CPU time\n"
-                         + ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=90))
+            lines += _profiled(lambda: rt._prefill(p, ()), precision)[1]
+    return _report(lines, out_dir, "prefill.txt")
+
+
+def _profiled(fn, name: str) -> tuple[dict, list[str]]:
+    """fn() once under torch.profiler -> ({event name: calls}, its tables: kernels by GPU time
+    where there is a GPU, host ops by self CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
+        fn()
+        _sync()
+    ka = prof.key_averages()
+    tables = [f"\n### {name}: kernels by GPU time\n"
+              + ka.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=90)] if gpu else []
+    tables.append(f"\n### {name}: host ops by self CPU time\n"
+                  + ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=90))
+    return {e.key: e.count for e in ka}, tables
+
+
+def _report(lines: list[str], out_dir: str | None, name: str) -> str:
+    """The lines as one report, printed and, with out_dir, written to out_dir/name."""
     report = "\n".join(lines)
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "prefill.txt").write_text(report + "\n")
+        (Path(out_dir) / name).write_text(report + "\n")
     print(report, flush=True)
     return report
 
@@ -432,12 +443,9 @@ def profile_demo(checkpoint: str, head: str, out_dir: str | None = None, n: int 
     torch.profiler tables (host ops by self CPU time; kernels by GPU time) with the counts of
     kernel launches and graph replays. -> the report (also DIR/demo.txt).
     `python -m worker.bench --profile-demo DIR --demo CKPT --head HEAD`."""
-    from torch.profiler import ProfilerActivity, profile
-
     from worker.dflash.train import demo_requests
     from worker.model.runtime import AlpamayoRuntime
 
-    gpu = torch.cuda.is_available()
     reqs = demo_requests(range(92_000_000, 92_000_000 + n), k=1, temperature=0.0)
     lines = [f"# demo batch profile: {checkpoint}, {n} scenes, K=1, greedy"]
     for name, factory in (("baseline", None), ("dflash2", DFlash2Speculator.factory(head))):
@@ -450,27 +458,13 @@ def profile_demo(checkpoint: str, head: str, out_dir: str | None = None, n: int 
         wall = timeit(lambda: rt.run(reqs), warmup=0, reps=3) * 1e3
         res = rt.run(reqs)
         steps = sum(r.speculative.steps for r in res) if res[0].speculative is not None else None
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-        with profile(activities=acts) as prof:
-            rt.run(reqs)
-            _sync()
-        ka = prof.key_averages()
-        calls = {e.key: e.count for e in ka}
+        calls, tables = _profiled(lambda: rt.run(reqs), name)
         stages = ", ".join(f"{k} {v:.1f}" for k, v in res[0].timings_ms.items())
         lines.append(f"\n## {name}: batch {wall:.1f} ms; first scene (ms): {stages}; "
                      + (f"verify steps {steps}; " if steps is not None else "")
                      + f"kernel launches {calls.get('cudaLaunchKernel', 0) + calls.get('cuLaunchKernelEx', 0)}, "
                        f"graph replays {calls.get('cudaGraphLaunch', 0)}, host syncs "
                        f"{calls.get('cudaStreamSynchronize', 0) + calls.get('aten::item', 0)}")
-        if gpu:
-            lines.append(f"\n### {name}: kernels by GPU time\n"
-                         + ka.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=80))
-        lines.append(f"\n### {name}: host ops by self CPU time\n"
-                     + ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=80))
-    report = "\n".join(lines)
-    if out_dir:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "demo.txt").write_text(report + "\n")
-    print(report, flush=True)
-    return report
+        lines += tables
+    return _report(lines, out_dir, "demo.txt")
 
