@@ -171,7 +171,8 @@ _MAX_SPLITS = 64
 
 WIDE_SPLIT_KEYS = 1024          # fewest keys per split for tiles of more than 16 query rows (verify(8), the
                                 # draft's block): their fp32 partials are 8x larger; at batch 1 the verify
-                                # step measured 18.10 ms with 8 splits against 19.75 with 33 (H200, 2026-12-01)
+                                # step measured 18.10 ms with 8 splits against 18.68 with 16 and 18.94
+                                # with 33 (H200, 2026-12-01)
 
 
 def split_plan(rows: int, kv_heads: int, m_tiles: int, capacity: int, block_n: int,
