@@ -281,17 +281,25 @@ def throughput(t: Table, shape: str, batches: list[int], k3: list[int], profiles
     return throughput_targets(res, batches)
 
 
-def demo_speed(t: Table, checkpoint: str, head: str, n: int = 16) -> list[str]:
-    """The demo checkpoint with its real head (held-out scenes, batch n): dflash2 under the
-    calibrated policy against the baseline, K=1 greedy and K=3 at T=0.6 -> target rows."""
-    from worker.dflash.train import demo_requests
+def demo_runtimes(checkpoint: str, head: str, rows: int):
+    """(baseline, dflash2) runtimes of the demo checkpoint, CUDA graphs on for up to `rows` rows,
+    the dflash2 one's step costs calibrated."""
     from worker.model.runtime import AlpamayoRuntime
 
     base = AlpamayoRuntime.load(checkpoint)
     spec = AlpamayoRuntime.load(checkpoint, speculator_factory=DFlash2Speculator.factory(head))
     for rt in (base, spec):
-        rt.enable_graphs(max_rows=3 * n, capacity=1024)
+        rt.enable_graphs(max_rows=rows, capacity=1024)
     spec.calibrate_speculation()
+    return base, spec
+
+
+def demo_speed(t: Table, checkpoint: str, head: str, n: int = 16) -> list[str]:
+    """The demo checkpoint with its real head (held-out scenes, batch n): dflash2 under the
+    calibrated policy against the baseline, K=1 greedy and K=3 at T=0.6 -> target rows."""
+    from worker.dflash.train import demo_requests
+
+    base, spec = demo_runtimes(checkpoint, head, 3 * n)
     rows = []
     for k, temperature in ((1, 0.0), (3, 0.6)):
         reqs = demo_requests(range(92_000_000, 92_000_000 + n), k=k, temperature=temperature)
@@ -444,15 +452,10 @@ def profile_demo(checkpoint: str, head: str, out_dir: str | None = None, n: int 
     kernel launches and graph replays. -> the report (also DIR/demo.txt).
     `python -m worker.bench --profile-demo DIR --demo CKPT --head HEAD`."""
     from worker.dflash.train import demo_requests
-    from worker.model.runtime import AlpamayoRuntime
 
     reqs = demo_requests(range(92_000_000, 92_000_000 + n), k=1, temperature=0.0)
     lines = [f"# demo batch profile: {checkpoint}, {n} scenes, K=1, greedy"]
-    for name, factory in (("baseline", None), ("dflash2", DFlash2Speculator.factory(head))):
-        rt = AlpamayoRuntime.load(checkpoint, speculator_factory=factory)
-        rt.enable_graphs(max_rows=n, capacity=1024)
-        if factory is not None:
-            rt.calibrate_speculation()
+    for name, rt in zip(("baseline", "dflash2"), demo_runtimes(checkpoint, head, n)):
         for _ in range(2):
             rt.run(reqs)                    # graphs captured, the policy's acceptance learnt
         wall = timeit(lambda: rt.run(reqs), warmup=0, reps=3) * 1e3

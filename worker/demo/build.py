@@ -207,9 +207,8 @@ def scene_image_size(checkpoint: str | os.PathLike) -> tuple[int, int]:
     generator's default without one), so its held-out bars and its DFlash2 head's data see what it
     was trained on."""
     q = Path(checkpoint) / "quality.json"
-    size = load_quality(Path(checkpoint))["build"].get("image_size", DEFAULT_IMAGE_SIZE) if q.is_file() \
-        else DEFAULT_IMAGE_SIZE
-    return int(size[0]), int(size[1])
+    w, h = load_quality(q.parent)["build"].get("image_size", DEFAULT_IMAGE_SIZE) if q.is_file() else DEFAULT_IMAGE_SIZE
+    return int(w), int(h)
 
 
 _EXAMPLE_TENSORS = ("input_ids", "positions", "weights", "action")

@@ -34,7 +34,7 @@ from worker.dflash.loop import DFlash2Speculator
 from worker.model.config import AlpamayoConfig
 from worker.model.fused_ops import reference_only
 from worker.model.runtime import AlpamayoRuntime
-from worker.scenes import generate_scene
+from worker.scenes import DEFAULT_IMAGE_SIZE, generate_scene
 from worker.scenes.request import runtime_request
 GAMMA = 4.0
 
@@ -202,12 +202,12 @@ def measure_acceptance(rt_spec, requests) -> dict:
             "mean_acceptance_length": 1 + accepted / steps if steps else 1.0}
 
 
-def demo_requests(seeds, k: int = 1, temperature: float = 0.0, image_size: tuple[int, int] | None = None):
+def demo_requests(seeds, k: int = 1, temperature: float = 0.0, image_size: tuple[int, int] = DEFAULT_IMAGE_SIZE):
     """Trajectory SceneRequests of the synthetic scenes of `seeds` (request id = scene id),
-    rendered at `image_size` (width, height; default: the scene generator's)."""
+    rendered at `image_size` (width, height)."""
     out = []
     for seed in seeds:
-        s = generate_scene(int(seed)) if image_size is None else generate_scene(int(seed), image_size)
+        s = generate_scene(int(seed), image_size)
         out.append(runtime_request(s, "trajectory", request_id=s.scene_id, num_samples=k, temperature=temperature,
                                    seed=int(seed)))
     return out
