@@ -14,7 +14,7 @@ FRAME_OFFSETS_S: tuple[float, ...] = (-0.3, -0.2, -0.1, 0.0)
 # (width, height) synthetic scenes are rendered at unless a caller says otherwise: what the producer
 # tools, `make demo`, qualify and calibration send (the shipped demo checkpoint's training scenes;
 # its quality.json records the size, `worker.demo.build.scene_image_size`)
-DEFAULT_IMAGE_SIZE: tuple[int, int] = (64, 64)
+DEFAULT_IMAGE_SIZE: tuple[int, int] = (128, 128)
 
 CAMERA_NAMES: dict[int, str] = {
     0: "camera_cross_left_120fov",

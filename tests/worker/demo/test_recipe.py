@@ -66,7 +66,8 @@ def test_scenes_with_a_lead_vehicle_come_twice_per_epoch_when_asked():
 
 
 def test_a_checkpoint_is_measured_on_scenes_rendered_at_its_recorded_size(tmp_path, monkeypatch):
-    assert build.RECIPES["gpu2"].image_size == (128, 128) and build.RECIPES["gpu"].image_size == DEFAULT_IMAGE_SIZE
+    assert build.RECIPES["gpu2"].image_size == (128, 128) and build.RECIPES["gpu"].image_size == (64, 64)
+    assert build.RECIPES[build.SHIPPED_RECIPE].image_size == DEFAULT_IMAGE_SIZE      # producers send what it saw
     (tmp_path / "quality.json").write_text(json.dumps({"build": {"image_size": [128, 128],
                                                                  "heldout_scene_seeds": [50000, 50001]}}))
     assert build.scene_image_size(tmp_path) == (128, 128)

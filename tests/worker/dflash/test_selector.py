@@ -74,11 +74,6 @@ def _trained_like(draft: DraftModel) -> dict:
     return state
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 16, bar missed: the shipped head (greedy acceptance length 7.2 of at most 8) leaves its "
-    "selector nothing to fix; on these 16 scenes it accepts 7.09 with the selector and 7.16 zeroed (one "
-    "more verify step for the same tokens); selector_gain on the 64 bar scenes 0.003. strict: this "
-    "fails once the selector helps, so the marker goes then"))
 def test_zeroing_the_shipped_selector_changes_proposals_and_lowers_heldout_acceptance():
     """The shipped head's selector has an effect: with W_q zeroed (the plain argmax) its proposals
     on 16 held-out scenes change and fewer are accepted, while the output tokens stay the same."""
@@ -90,7 +85,7 @@ def test_zeroing_the_shipped_selector_changes_proposals_and_lowers_heldout_accep
     ckpt = demo_checkpoint()
     spec = AlpamayoRuntime.load(ckpt, device="cpu", dtype=torch.float32,
                                 speculator_factory=DFlash2Speculator.factory(str(demo_head(ckpt))))
-    seeds = build.heldout_seeds(0, build.RECIPES["gpu"])[:16]
+    seeds = build.heldout_seeds(0, build.RECIPES[build.SHIPPED_RECIPE])[:16]
     requests = [runtime_request(generate_scene(s, DEFAULT_IMAGE_SIZE), "trajectory", seed=1000 + i)
                 for i, s in enumerate(seeds)]
 
