@@ -264,7 +264,8 @@ def throughput(t: Table, shape: str, batches: list[int], k3: list[int], profiles
         res[("decode step", profile)] = c1.decode
         t.add("thru", f"{profile}: warm-up calibration ({len(spec.policy.costs)} row buckets)",
               f"{time.perf_counter() - t0:.1f} s; batch 1: decode {c1.decode * 1e3:.2f} ms, verify(8) "
-              f"{c1.verify[8] * 1e3:.2f} ms, draft {c1.draft * 1e3:.2f} ms")
+              f"{c1.verify[8] * 1e3:.2f} ms, draft {c1.draft * 1e3:.2f} ms; whole loop steps "
+              + ", ".join(f"{n} drafts {s * 1e3:.2f} ms" for n, s in c1.loop.items()))
         rt.speculator = None
         rt.run(scenes(1, 1, image_hw, f"first-{profile}"))       # first full-size prefill (library warm-up)
         for k in (1, 3):
@@ -301,6 +302,11 @@ def demo_speed(t: Table, checkpoint: str, head: str, n: int = 16) -> list[str]:
 
     base, spec = demo_runtimes(checkpoint, head, 3 * n)
     rows = []
+    for b in (n, 3 * n):
+        c = spec.speculator.policy.costs_for(b)
+        t.add("demo", f"demo checkpoint: whole loop step at {b} rows (warm-up calibration)",
+              ", ".join(f"{d} drafts {s * 1e3:.2f} ms" for d, s in c.loop.items())
+              + f" (forwards: decode {c.decode * 1e3:.2f}, verify(8) {c.verify[8] * 1e3:.2f}, draft {c.draft * 1e3:.2f} ms)")
     for k, temperature in ((1, 0.0), (3, 0.6)):
         reqs = demo_requests(range(92_000_000, 92_000_000 + n), k=k, temperature=temperature)
         for rt in (base, spec):

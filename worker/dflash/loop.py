@@ -29,7 +29,7 @@ from worker.dflash.metrics import RowStats, SpecStats, row_stats
 from worker.dflash.policy import VERIFY_TOKENS, SpeculationPolicy, StepCosts
 from worker.dflash.proposer import Proposer
 from worker.model.decoder import TextDecoder
-from worker.model.generate import DecodeBatch, start_batch
+from worker.model.generate import STATE, DecodeBatch, run_step, start_batch
 from worker.model.sampling import SamplingParams, sample
 
 
@@ -81,6 +81,7 @@ class DFlash2Speculator:
         policy = self.policy
         costs = policy.costs_for(batch.rows)
         acceptance = policy.start(group, batch.rows, batch.lengths.device)
+        self.proposer.prepare(batch)
         generating_log, accepted_log, drafted_log = [], [], []
         while True:
             generating = batch.generating
@@ -103,35 +104,42 @@ class DFlash2Speculator:
         return batch, row_stats(generating_log, accepted_log, batch.rows, self.num_spec_tokens, drafted_log)
 
     def _verify_step(self, decoder: TextDecoder, batch: DecodeBatch, n: int) -> torch.Tensor:
-        """Propose, verify [next_token, d1..dn], accept, commit -> accepted drafts (R,) long."""
-        proposals = self.proposer.propose(batch)[:, :n]                                      # (B, n)
-        block = torch.cat([batch.next_token[:, None], proposals], dim=1)                     # (B, n + 1)
-        out = decoder.step(block, batch.lengths, batch.rope_delta, batch.cache,
-                           context_len=int(batch.lengths.max()) + n + 1, capture=self.target_layer_ids)
-        self.proposer.write_context(out.hidden, batch.lengths, batch.rope_delta)
-        offsets = torch.arange(1, n + 2, device=batch.lengths.device)                        # sampled positions
-        tokens = sample(batch.mask_logits(out.logits), batch.params, batch.lengths[:, None] + offsets)   # (B, n + 1)
-        accepted = accepted_prefix(proposals, tokens)
-        m = commit_counts(tokens, accepted, batch.terminal, batch.max_new - batch.n_generated)
-        batch.commit(tokens, m, accepted)
-        return torch.minimum(accepted, m)
+        """Propose, verify [next_token, d1..dn], accept, commit -> accepted drafts (R,) long.
+        One CUDA graph per n and rows bucket over the persistent caches (generate.run_step)."""
+        def step(b: DecodeBatch) -> tuple[torch.Tensor]:
+            proposals = self.proposer.propose(b)[:, :n]                                      # (B, n)
+            block = torch.cat([b.next_token[:, None], proposals], dim=1)                     # (B, n + 1)
+            out = decoder.step(block, b.lengths, b.rope_delta, b.cache, context_len=b.context_len(n + 1),
+                               capture=self.target_layer_ids)
+            self.proposer.write_context(out.hidden, b.lengths, b.rope_delta)
+            offsets = torch.arange(1, n + 2, device=b.lengths.device)                        # sampled positions
+            tokens = sample(b.mask_logits(out.logits), b.params, b.lengths[:, None] + offsets)   # (B, n + 1)
+            accepted = accepted_prefix(proposals, tokens)
+            m = commit_counts(tokens, accepted, b.terminal, b.max_new - b.n_generated)
+            b.commit(tokens, m, accepted)
+            return (torch.minimum(accepted, m),)
+        return run_step(decoder, batch, f"verify{n}", step)[0].clone()
 
     def _decode_step(self, decoder: TextDecoder, batch: DecodeBatch) -> None:
         """The baseline's step (generate.baseline_decode), its hidden states kept as draft context."""
-        out = decoder.step(batch.next_token[:, None], batch.lengths, batch.rope_delta, batch.cache,
-                           context_len=int(batch.lengths.max()) + 1, capture=self.target_layer_ids)
-        self.proposer.write_context(out.hidden, batch.lengths, batch.rope_delta)
-        tokens = sample(batch.mask_logits(out.logits), batch.params, batch.lengths[:, None] + 1)     # (B, 1)
-        batch.commit(tokens, torch.ones_like(batch.lengths), torch.zeros_like(batch.lengths))
+        def step(b: DecodeBatch) -> tuple[()]:
+            out = decoder.step(b.next_token[:, None], b.lengths, b.rope_delta, b.cache, context_len=b.context_len(1),
+                               capture=self.target_layer_ids)
+            self.proposer.write_context(out.hidden, b.lengths, b.rope_delta)
+            tokens = sample(b.mask_logits(out.logits), b.params, b.lengths[:, None] + 1)     # (B, 1)
+            b.commit(tokens, torch.ones_like(b.lengths), torch.zeros_like(b.lengths))
+            return ()
+        run_step(decoder, batch, "decode", step)
 
     # ---------------------------------------------------------------- warm-up
     @torch.inference_mode()
     def calibrate(self, decoder: TextDecoder, cache, rows_buckets: list[int], context: int, banned: torch.Tensor,
                   reps: int = 5) -> None:
-        """Measure, per rows bucket, the seconds of a decode(1) step, of verify(T) for each of the
-        policy's T and of a draft pass, over `cache` (the persistent one: CUDA graphs are captured
-        here, as later batches will replay them) at `context` live positions per row. Writes
-        scratch K/V at positions context.. of the cache's and the draft's rows (no batch is live)."""
+        """Measure, per rows bucket, the seconds of a whole loop step for each choice (a decode
+        step, verify of 3 or 7 drafts), and for reports of its parts (the decode(1) and verify(T)
+        forwards, a draft pass), over `cache` (the persistent one: CUDA graphs are captured here,
+        as later batches will replay them) at `context` live positions per row. Writes scratch K/V
+        at positions context.. of the cache's and the draft's rows (no batch is live)."""
         dev = cache.k.device
         vocab = self.proposer.lm_head.out_features
         for rows in rows_buckets:
@@ -142,23 +150,35 @@ class DFlash2Speculator:
                                     top_k=torch.zeros(rows, dtype=torch.long, device=dev))
             probe = start_batch(cache, lengths, torch.zeros(rows, vocab, device=dev), delta, params, banned,
                                 torch.tensor([-1], device=dev), torch.full((rows,), 8, device=dev))
+            start = {f: getattr(probe, f).clone() for f in STATE}
 
-            def step(t: int):
+            def restart():                       # every timed loop step starts from the same state
+                for f, v in start.items():
+                    getattr(probe, f).copy_(v)
+
+            def forward(t: int):
                 ids = torch.zeros(rows, t, dtype=torch.long, device=dev)
                 out = decoder.step(ids, lengths, delta, cache, context_len=context + t,
                                    capture=self.target_layer_ids)
                 self.proposer.write_context(out.hidden, lengths, delta)
-            verify = {t: _seconds(lambda t=t: step(t), reps) for t in VERIFY_TOKENS}
-            self.policy.costs[rows] = StepCosts(decode=_seconds(lambda: step(1), reps), verify=verify,
-                                                draft=_seconds(lambda: self.proposer.propose(probe), reps))
+
+            def loop_step(n: int):
+                return self._decode_step(decoder, probe) if n == 0 else self._verify_step(decoder, probe, n)
+            self.policy.costs[rows] = StepCosts(
+                loop={n: _seconds(lambda n=n: loop_step(n), reps, restart) for n in (0, *self.policy.drafts)},
+                decode=_seconds(lambda: forward(1), reps),
+                verify={t: _seconds(lambda t=t: forward(t), reps) for t in VERIFY_TOKENS},
+                draft=_seconds(lambda: self.proposer.propose(probe), reps, restart))
 
 
-def _seconds(fn, reps: int) -> float:
+def _seconds(fn, reps: int, setup=lambda: None) -> float:
     """Fastest of `reps` timed calls of fn() after one untimed call (which captures its CUDA
-    graph): the least disturbed by other work on the machine."""
+    graph), each after an untimed setup(): the least disturbed by other work on the machine."""
+    setup()
     fn()
     times = []
     for _ in range(reps):
+        setup()
         _sync()
         t0 = time.perf_counter()
         fn()

@@ -38,15 +38,31 @@ class OracleProposer:
     def __getattr__(self, name):          # begin, write_context, ... go to the real proposer
         return getattr(self.inner, name)
 
+    def prepare(self, batch) -> None:
+        """Put the reference where the graphed loop steps read it: one buffer of (batch rows x the
+        draft cache's capacity) kept on the real proposer, shared by every oracle over it, so a
+        step captured for one oracle replays with the next one's reference."""
+        k = self.inner.k[0] if self.inner.k else None
+        rows = max(batch.rows, k.shape[0] if k is not None else 0)
+        width = max(k.shape[2] if k is not None else 0, self.reference.shape[1])
+        buf = getattr(self.inner, "oracle_reference", None)
+        if buf is None or buf.shape[0] < rows or buf.shape[1] < width or buf.device != batch.lengths.device:
+            if buf is not None and self.inner.graphs is not None:
+                self.inner.graphs.clear()          # steps captured over the old buffer
+            buf = self.inner.oracle_reference = torch.zeros(rows, width, dtype=torch.long, device=batch.lengths.device)
+            self.inner.oracle_vocab = torch.zeros((), dtype=torch.long, device=buf.device)
+        buf.zero_()
+        ref = self.reference[:rows]
+        buf[:ref.shape[0], :ref.shape[1]] = ref.to(buf.device)
+        self.inner.oracle_vocab.fill_(max(int(self.reference.max()) + 2, 2))
+
     def propose(self, batch) -> torch.Tensor:
         real = self.inner.propose(batch)                                   # pay the draft's cost
         n = real.shape[1]
-        ref = self.reference.to(real.device)
-        if ref.shape[0] < real.shape[0]:                                   # rows padded to a graph bucket
-            ref = torch.cat([ref, ref.new_zeros(real.shape[0] - ref.shape[0], ref.shape[1])])
+        ref = self.inner.oracle_reference[:real.shape[0]]                 # rows padded to a graph bucket: zeros
         idx = (batch.n_generated[:, None] + torch.arange(n, device=real.device)).clamp(max=ref.shape[1] - 1)
         want = ref.gather(1, idx)
         key = torch.full_like(batch.n_generated, self.seed) + torch.arange(real.shape[0], device=real.device)
         u = uniform(key, idx, 1, stream=3)[..., 0]
-        wrong = (want + 1 + (u * 97).long()) % max(int(ref.max()) + 2, 2)
+        wrong = (want + 1 + (u * 97).long()) % self.inner.oracle_vocab
         return torch.where(u < self.error_rate, wrong, want)

@@ -2,7 +2,8 @@
 step (the baseline's), whichever is expected to commit the most tokens per second.
 
 Step costs come from warm-up (`calibrate`, worker/dflash/loop.py): per rows bucket the seconds of
-a decode(1) step, of a verify(T) step for each T in VERIFY_TOKENS and of a draft pass. Acceptance
+a whole loop step for each choice (draft pass, forward, sampling, acceptance and commit: on a small
+model the host work around the forward is most of a step). Acceptance
 comes from the running rows: each row keeps decayed counts of accepted drafts (successes) and of
 first rejections (failures), started from its (task, K) group's acceptance of earlier batches, so a
 row's estimate of the per-draft acceptance probability is
@@ -34,10 +35,11 @@ GROUP_DECAY = 0.5             # per batch, of a group's evidence
 
 @dataclass(frozen=True)
 class StepCosts:
-    """Seconds of one step at one rows bucket (measured at warm-up)."""
+    """Seconds at one rows bucket (measured at warm-up)."""
 
-    decode: float                 # decode(1), hidden states captured for the draft's context
-    verify: dict[int, float]      # tokens T -> verify(T)
+    loop: dict[int, float]        # drafts n (0: a plain decode step) -> one whole loop step; what `choose` weighs
+    decode: float                 # of which, for reports: the decode(1) forward, hidden states captured,
+    verify: dict[int, float]      # tokens T -> the verify(T) forward,
     draft: float                  # one draft pass (block of 8, every row)
 
 
@@ -109,9 +111,9 @@ class SpeculationPolicy:
         """Drafts to verify this step (0: a plain decode step). Uncalibrated: always the most drafts."""
         if costs is None:
             return max(self.drafts)
-        best, best_rate = 0, generating_rows / costs.decode
+        best, best_rate = 0, generating_rows / costs.loop[0]
         for n, tokens in zip(self.drafts, expected):
-            rate = tokens / (costs.verify[n + 1] + costs.draft)
+            rate = tokens / costs.loop[n]
             if rate > best_rate:
                 best, best_rate = n, rate
         return best

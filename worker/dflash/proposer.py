@@ -38,6 +38,10 @@ class Proposer:
             self.graphs.clear()          # addresses changed: recapture
         self.persistent = persistent
 
+    def prepare(self, batch) -> None:
+        """Host work before a batch's loop (its graphed steps replay without running Python):
+        none here; the benchmarks' oracle (worker/dflash/oracle.py) loads its reference."""
+
     @torch.inference_mode()
     def write_context(self, hidden: dict[int, torch.Tensor], start: torch.Tensor, rope_delta: torch.Tensor,
                       fork: slice | None = None) -> None:

@@ -15,8 +15,8 @@ target's tokens at the positions after it, then DecodeBatch.commit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -40,6 +40,12 @@ class DecodeBatch:
     finishing: torch.Tensor      # (R,) bool: last token sampled, K/V not yet written
     done: torch.Tensor           # (R,) bool
     steps: int = 0               # forward passes run by the loop (one commit each)
+    in_graph: bool = False       # a copy being captured by run_step: no host reads
+
+    def context_len(self, fed: int) -> int:
+        """Keys a forward feeding `fed` tokens per row attends (a host int, TextDecoder.forward);
+        in a graph the persistent cache's capacity, which the graphed decoder step uses anyway."""
+        return self.cache.capacity if self.in_graph else int(self.lengths.max()) + fed
 
     @property
     def rows(self) -> int:
@@ -91,6 +97,43 @@ class DecodeBatch:
         """token (R,) becomes next_token of `rows` (R,) bool; a terminal token or max_new finishes the row."""
         self.next_token = torch.where(rows, token, self.next_token)
         self.finishing |= rows & (torch.isin(token, self.terminal) | (self.n_generated >= self.max_new))
+
+
+STATE = ("lengths", "next_token", "generated", "n_generated", "finishing", "done")   # what commit changes
+
+
+def run_step(decoder: TextDecoder, batch: DecodeBatch, name: str,
+             step: Callable[[DecodeBatch], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """One loop step: step(batch) runs the forward(s), samples and commits, -> its extra outputs.
+
+    Over the persistent cache with graphs on, the whole step is one CUDA graph per (name, rows,
+    widths, greedy): its eager sampling, acceptance and commit ops cost the host about what the
+    forward does on a small model (docs/benchmarks.md, the demo checkpoint's K=1 batch). The
+    batch's tensors are copied into the graph's inputs and its results back, so the batch owns
+    its state; the extra outputs are graph buffers (consume them before the next step)."""
+    graphs = decoder.graphs
+    if batch.cache is not decoder.persistent or graphs is None or not graphs.enabled:
+        return step(batch)
+    greedy = batch.params.greedy_only()                  # read before capture (a host sync)
+    params = tuple(getattr(batch.params, f.name) for f in fields(SamplingParams) if f.name != "all_greedy")
+    inputs = tuple(getattr(batch, f) for f in STATE) + params + (batch.rope_delta, batch.banned, batch.terminal,
+                                                                 batch.max_new)
+
+    def captured(*t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        state, rest = t[:len(STATE)], t[len(STATE):]
+        b = DecodeBatch(batch.cache, **dict(zip(STATE, state)),
+                        params=SamplingParams(*rest[:len(params)], all_greedy=greedy),
+                        rope_delta=rest[-4], banned=rest[-3], terminal=rest[-2], max_new=rest[-1],
+                        in_graph=True)
+        extra = step(b)
+        return tuple(getattr(b, f) for f in STATE) + tuple(extra)
+
+    key = (name, batch.rows, batch.generated.shape[1], batch.terminal.shape[0], greedy)
+    out = graphs.run(key, captured, *inputs)
+    for f, t in zip(STATE, out):
+        getattr(batch, f).copy_(t)
+    batch.steps += 1
+    return out[len(STATE):]
 
 
 class Speculator(Protocol):
@@ -146,9 +189,12 @@ def start_batch(cache: StaticKVCache, prompt_lengths: torch.Tensor, first_logits
 @torch.inference_mode()
 def baseline_decode(decoder: TextDecoder, batch: DecodeBatch) -> DecodeBatch:
     """One token per step until every row is done."""
+    def step(b: DecodeBatch) -> tuple[()]:
+        out = decoder.step(b.next_token[:, None], b.lengths, b.rope_delta, b.cache, context_len=b.context_len(1))
+        tokens = sample(b.mask_logits(out.logits), b.params, b.lengths[:, None] + 1)   # (R, 1)
+        b.commit(tokens, torch.ones_like(b.lengths), torch.zeros_like(b.lengths))
+        return ()
+
     while not bool(batch.done.all()):
-        out = decoder.step(batch.next_token[:, None], batch.lengths, batch.rope_delta, batch.cache,
-                           context_len=int(batch.lengths.max()) + 1)
-        tokens = sample(batch.mask_logits(out.logits), batch.params, batch.lengths[:, None] + 1)   # (R, 1)
-        batch.commit(tokens, torch.ones_like(batch.lengths), torch.zeros_like(batch.lengths))
+        run_step(decoder, batch, "baseline", step)
     return batch

@@ -4,7 +4,8 @@ buffers and replay. Used for the decoder step per (rows, T), the draft pass and 
 whole flow-matching loop per rows bucket, all over persistent caches whose addresses never move.
 
 Outputs are the graph's own buffers: consume them before the next call of the same key.
-Disabled (plain calls) on CPU.
+A call made while another key is being captured (or warmed up) runs plainly, inside that graph:
+a whole decoding step captures its decoder step and draft pass with it. Disabled (plain calls) on CPU.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class GraphCache:
         self._pool = torch.cuda.graph_pool_handle() if enabled else None
         self.captures = 0
         self.replays = 0
+        self._capturing = False
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -36,21 +38,15 @@ class GraphCache:
     def run(self, key, fn: Callable[..., Any], *inputs: torch.Tensor) -> Any:
         """fn(*inputs) with every input a tensor; fn must only read/write tensors whose storage
         outlives the graph (persistent caches, weights) besides its inputs and outputs."""
-        if not self.enabled:
+        if not self.enabled or self._capturing:
             return fn(*inputs)
         entry = self._graphs.get(key)
         if entry is None:
-            static_in = [t.clone() for t in inputs]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    fn(*static_in)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                static_out = fn(*static_in)
-            entry = (graph, static_in, static_out)
+            self._capturing = True
+            try:
+                entry = self._capture(fn, inputs)
+            finally:
+                self._capturing = False
             self._graphs[key] = entry
             self.captures += 1
         graph, static_in, static_out = entry
@@ -59,6 +55,19 @@ class GraphCache:
         graph.replay()
         self.replays += 1
         return static_out
+
+    def _capture(self, fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...]):
+        static_in = [t.clone() for t in inputs]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn(*static_in)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            static_out = fn(*static_in)
+        return graph, static_in, static_out
 
 
 def bucket(n: int, limit: int) -> int:

@@ -29,7 +29,8 @@ def runtimes(tiny):
         r.trajectory_max_new = 48
     # step costs of a GPU at batch 1 (verify(8) 1.1x decode, a draft pass 0.1x): the shared CPU's
     # timings are too noisy for a test's decisions; calibration itself is tested below
-    spec.speculator.policy.costs = {b: StepCosts(decode=1.0, verify={4: 1.05, 8: 1.1}, draft=0.1) for b in (1, 2, 4)}
+    spec.speculator.policy.costs = {b: StepCosts(loop={0: 1.0, 3: 1.15, 7: 1.2}, decode=1.0, verify={4: 1.05, 8: 1.1},
+                                                 draft=0.1) for b in (1, 2, 4)}
     return base, spec
 
 
@@ -46,6 +47,7 @@ def test_calibration_measures_each_bucket(tiny):
     assert sorted(costs) == [1, 2]
     for c in costs.values():
         assert c.decode > 0 and c.draft > 0 and sorted(c.verify) == [4, 8] and min(c.verify.values()) > 0
+        assert sorted(c.loop) == [0, 3, 7] and min(c.loop.values()) > 0
 
 
 @pytest.mark.parametrize("k,temperature", [(1, 0.0), (2, 0.7)])
@@ -79,7 +81,7 @@ def test_high_acceptance_drafts(runtimes):
 
 def test_choice_weighs_expected_tokens_against_step_costs():
     p = SpeculationPolicy()
-    costs = StepCosts(decode=1.0, verify={4: 1.1, 8: 1.3}, draft=0.2)
+    costs = StepCosts(loop={0: 1.0, 3: 1.3, 7: 1.5}, decode=1.0, verify={4: 1.1, 8: 1.3}, draft=0.2)
     assert p.choose(costs, 4, [4 * 1.1, 4 * 1.2]) == 0        # ~1.1 tokens per row: not worth 1.3-1.5x
     assert p.choose(costs, 4, [4 * 3.5, 4 * 4.0]) == 3        # 3.5/1.3 beats 4.0/1.5
     assert p.choose(costs, 4, [4 * 3.9, 4 * 7.5]) == 7

@@ -17,6 +17,7 @@ from worker.dflash.oracle import OracleProposer, error_rate_for_tau
 from worker.model.config import AlpamayoConfig
 from worker.model.runtime import AlpamayoRuntime
 
+from tests.worker.graph_replay import use_replaying_graphs
 from tests.worker.model.test_runtime import ExpertInputs, assert_same_expert_inputs, scene
 
 
@@ -279,3 +280,26 @@ def test_dflash_persistent_cache_path_is_lossless(ckpt, head, runtimes):
     assert got.token_ids == ref.token_ids
     assert got.speculative.accepted > 0
     assert spec.speculator.proposer.persistent and spec.speculator.proposer.k[0].shape[0] == 8
+
+
+def test_dflash_graphed_loop_steps_are_lossless(ckpt, head, runtimes):
+    """Each DFlash2 loop step (draft, verify, context write, sampling, acceptance, commit; or a
+    plain decode step) is one graph over the persistent caches (generate.run_step); replayed on
+    the CPU over its captured buffers it commits the baseline's tokens, and the tokens and
+    trajectories of the same loop run plainly, greedy and sampled."""
+    base, _ = runtimes
+    plain, graphed = (AlpamayoRuntime.load(ckpt, device="cpu", dtype=torch.float32,
+                                           speculator_factory=DFlash2Speculator.factory(str(head))) for _ in range(2))
+    for r in (plain, graphed):
+        r.enable_graphs(max_rows=8, capacity=512)
+        r.trajectory_max_new = 24
+    graphs = use_replaying_graphs(graphed)
+    for reqs in ([scene(6, k=3, temperature=0.7, seed=2)], [scene(7, k=1), scene(8, k=1)]):
+        ref = [r.token_ids for r in base.run(reqs)]
+        a, b = (oracle_run(r, reqs, ref, error_rate=0.3) for r in (plain, graphed))
+        assert [r.token_ids for r in a] == [r.token_ids for r in b] == ref
+        assert all(np.array_equal(x.trajectories, y.trajectories) for x, y in zip(a, b))
+        assert [r.speculative.per_step_accepted for r in a] == [r.speculative.per_step_accepted for r in b]
+        assert sum(r.speculative.accepted for r in b) > 0
+    # the draft pass and the verify forward run inside the step's graph, not as graphs of their own
+    assert {k[0] for k in graphs._graphs} == {"verify7", "expert"}, list(graphs._graphs)

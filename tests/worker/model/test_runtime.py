@@ -12,6 +12,8 @@ from worker.demo.layout import write_random_checkpoint
 from worker.model.checkpoint import CheckpointError, load_model, validate_layout
 from worker.model.runtime import AlpamayoRuntime, SceneRequest
 
+from tests.worker.graph_replay import use_replaying_graphs
+
 CAMS = (0, 1, 2, 3, 5, 6)
 
 
@@ -272,6 +274,25 @@ def test_persistent_cache_path_matches(ckpt):
     c = graphed.run([scene(2, k=1, temperature=0.0), scene(3, k=1, temperature=0.0)])
     d = plain.run([scene(2, k=1, temperature=0.0), scene(3, k=1, temperature=0.0)])
     assert [x.token_ids for x in c] == [x.token_ids for x in d]
+
+
+def test_graphed_decoding_steps_give_the_plain_tokens(ckpt):
+    """Over the persistent cache each decoding step (forward, sampling, commit) is one graph
+    (generate.run_step); replayed here on the CPU over its captured buffers, two batches of
+    different widths and sampling give the tokens and trajectories of the same path run plainly."""
+    plain = AlpamayoRuntime.load(ckpt, device="cpu", dtype=torch.float32)
+    graphed = AlpamayoRuntime.load(ckpt, device="cpu", dtype=torch.float32)
+    plain.enable_graphs(max_rows=8, capacity=512)
+    graphed.enable_graphs(max_rows=8, capacity=512)
+    graphs = use_replaying_graphs(graphed)
+    for r in (plain, graphed):
+        r.trajectory_max_new = 10
+    for reqs in ([scene(1, k=3, temperature=0.7, seed=4)], [scene(2, k=1), scene(3, k=1)]):
+        a, b = plain.run(reqs), graphed.run(reqs)
+        assert [x.token_ids for x in a] == [x.token_ids for x in b]
+        assert all(np.array_equal(x.trajectories, y.trajectories) for x, y in zip(a, b))
+    steps = [k for k in graphs._graphs if k[0] == "baseline"]
+    assert len(steps) == 2 and graphs.replays > 10, (list(graphs._graphs), graphs.replays)   # greedy and sampled
 
 
 def test_frames_shrunk_at_intake_give_the_same_results(rt):
