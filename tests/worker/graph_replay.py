@@ -6,6 +6,8 @@ batches. Host work baked in at capture is not modelled (a real capture refuses h
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.utils._pytree import tree_flatten
 
@@ -35,9 +37,11 @@ class ReplayingGraphs(GraphCache):
     def clear(self) -> None:
         self._graphs.clear()
 
-    def _capture(self, fn, inputs):
-        static_in = [t.clone() for t in inputs]
-        static_out = fn(*static_in)
+    def _warm_up_stream(self):
+        return contextlib.nullcontext()
+
+    def _record(self, fn, static_in):
+        static_out = fn(*static_in)          # a real capture records without running; run() copies the inputs in again
         return _Replay(self, fn, static_in, static_out), static_in, static_out
 
 

@@ -10,6 +10,7 @@ a whole decoding step captures its decoder step and draft pass with it. Disabled
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -57,13 +58,30 @@ class GraphCache:
         return static_out
 
     def _capture(self, fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...]):
+        """Two warm-up calls (cuBLAS handles, Triton tuning), each from the inputs' values: fn may
+        update its inputs in place (a decoding step advances its rows), and a warm-up that ran
+        from the previous one's results would write past where the real call will."""
         static_in = [t.clone() for t in inputs]
+
+        def restore():
+            for dst, src in zip(static_in, inputs):
+                dst.copy_(src)
+        with self._warm_up_stream():
+            for _ in range(2):
+                restore()
+                fn(*static_in)
+        restore()
+        return self._record(fn, static_in)
+
+    @contextlib.contextmanager
+    def _warm_up_stream(self):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):
-                fn(*static_in)
+            yield
         torch.cuda.current_stream().wait_stream(side)
+
+    def _record(self, fn: Callable[..., Any], static_in: list[torch.Tensor]):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             static_out = fn(*static_in)

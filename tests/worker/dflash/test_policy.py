@@ -15,6 +15,7 @@ from worker.metrics import WorkerMetrics
 from worker.model.runtime import AlpamayoRuntime
 
 from tests.schemas.test_contract import result
+from tests.worker.graph_replay import use_replaying_graphs
 from tests.worker.dflash.test_speculative_decoding import oracle_run
 from tests.worker.model.test_runtime import scene
 
@@ -48,6 +49,20 @@ def test_calibration_measures_each_bucket(tiny):
     for c in costs.values():
         assert c.decode > 0 and c.draft > 0 and sorted(c.verify) == [4, 8] and min(c.verify.values()) > 0
         assert sorted(c.loop) == [0, 3, 7] and min(c.loop.values()) > 0
+
+
+def test_calibration_over_graphed_steps_stays_inside_the_cache(tiny):
+    """Calibration times whole loop steps at the last context that fits the persistent cache;
+    each graph's warm-up calls start from the same state (a step advances its rows), so none
+    writes past the cache (CPU replay of the graphs: an index error if one did)."""
+    ckpt, head = tiny
+    rt = AlpamayoRuntime.load(ckpt, device="cpu", dtype=torch.float32,
+                              speculator_factory=DFlash2Speculator.factory(str(head)))
+    rt.enable_graphs(max_rows=2, capacity=64)
+    graphs = use_replaying_graphs(rt)
+    rt.calibrate_speculation([1, 2])
+    assert {k[0] for k in graphs._graphs} >= {"decode", "verify3", "verify7"}
+    assert sorted(rt.speculator.policy.costs) == [1, 2]
 
 
 @pytest.mark.parametrize("k,temperature", [(1, 0.0), (2, 0.7)])
