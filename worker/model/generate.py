@@ -5,7 +5,8 @@ step). DFlash2 (worker/dflash/loop.py) implements Speculator on the same state.
 Row bookkeeping (R rows = scenes x samples):
   lengths[r]     tokens of row r whose K/V are in the cache (prompt + fed generated tokens)
   next_token[r]  the newest sampled token, not yet in the cache
-  generated      (R, max_new) sampled tokens; n_generated[r] of them valid
+  generated      (R, cache capacity) sampled tokens; n_generated[r] of them valid (one width
+                 per cache, so a graphed step's buffers fit every batch over it)
 A row *finishes* when it samples a terminal token or reaches its max_new; its last token is
 then still fed once so that its K/V is in the cache (the expert attends up to and including
 `<|traj_future_start|>`), after which the row is done and frozen.
@@ -35,7 +36,7 @@ class DecodeBatch:
     banned: torch.Tensor         # (V,) bool: ids never sampled
     terminal: torch.Tensor       # (n,) long: ids that end a row's reasoning
     max_new: torch.Tensor        # (R,) long
-    generated: torch.Tensor      # (R, max(max_new)) long
+    generated: torch.Tensor      # (R, cache.capacity) long
     n_generated: torch.Tensor    # (R,) long
     finishing: torch.Tensor      # (R,) bool: last token sampled, K/V not yet written
     done: torch.Tensor           # (R,) bool
@@ -174,7 +175,7 @@ def start_batch(cache: StaticKVCache, prompt_lengths: torch.Tensor, first_logits
     batch = DecodeBatch(
         cache=cache, lengths=prompt_lengths.clone(), next_token=first, rope_delta=rope_delta,
         params=params, banned=banned, terminal=terminal, max_new=max_new,
-        generated=torch.zeros(r, int(max_new.max()), dtype=torch.long, device=dev),
+        generated=torch.zeros(r, cache.capacity, dtype=torch.long, device=dev),
         n_generated=torch.zeros(r, dtype=torch.long, device=dev),
         finishing=torch.zeros(r, dtype=torch.bool, device=dev),
         done=torch.zeros(r, dtype=torch.bool, device=dev),

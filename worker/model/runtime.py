@@ -445,7 +445,7 @@ class AlpamayoRuntime:
                 xyz, rot = action_to_trajectory(action.cpu(), hist_xyz, hist_rot, self.cfg.action_space)
                 trajectories, rotations = xyz.numpy(), rot.numpy()
             diffusion_ms = c_diff.ms
-        generated = batch.generated.cpu()
+        generated = batch.generated[:, :max(max_new)].cpu()
         n_gen = batch.n_generated.cpu()
         for s, p in enumerate(ok):
             res = results[p.req.request_id]

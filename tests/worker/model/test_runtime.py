@@ -285,14 +285,17 @@ def test_graphed_decoding_steps_give_the_plain_tokens(ckpt):
     plain.enable_graphs(max_rows=8, capacity=512)
     graphed.enable_graphs(max_rows=8, capacity=512)
     graphs = use_replaying_graphs(graphed)
-    for r in (plain, graphed):
-        r.trajectory_max_new = 10
-    for reqs in ([scene(1, k=3, temperature=0.7, seed=4)], [scene(2, k=1), scene(3, k=1)]):
+    batches = ([scene(1, k=3, temperature=0.7, seed=4)], [scene(2, k=1), scene(3, k=1)], [scene(5, k=1), scene(6, k=1)])
+    for reqs, max_new in zip(batches, (10, 10, 7)):
+        for r in (plain, graphed):
+            r.trajectory_max_new = max_new
         a, b = plain.run(reqs), graphed.run(reqs)
         assert [x.token_ids for x in a] == [x.token_ids for x in b]
         assert all(np.array_equal(x.trajectories, y.trajectories) for x, y in zip(a, b))
-    steps = [k for k in graphs._graphs if k[0] == "baseline"]
-    assert len(steps) == 2 and graphs.replays > 10, (list(graphs._graphs), graphs.replays)   # greedy and sampled
+    # one graph each for greedy and sampled steps at 4 and 2 rows, whatever max_new
+    steps = sorted(k[1:] for k in graphs._graphs if k[0] == "baseline")
+    assert [(rows, greedy) for rows, *_, greedy in steps] == [(2, True), (4, False)], steps
+    assert graphs.replays > 10
 
 
 def test_frames_shrunk_at_intake_give_the_same_results(rt):
