@@ -118,7 +118,8 @@ class DFlash2Speculator:
             m = commit_counts(tokens, accepted, b.terminal, b.max_new - b.n_generated)
             b.commit(tokens, m, accepted)
             return (torch.minimum(accepted, m),)
-        return run_step(decoder, batch, f"verify{n}", step)[0].clone()
+        # keyed by the proposer's kind too: the benchmarks' oracle is a different step than the draft's
+        return run_step(decoder, batch, f"verify{n}:{type(self.proposer).__name__}", step)[0].clone()
 
     def _decode_step(self, decoder: TextDecoder, batch: DecodeBatch) -> None:
         """The baseline's step (generate.baseline_decode), its hidden states kept as draft context.
