@@ -83,10 +83,10 @@ def test_shapes_and_cameras(scenes_64):
         assert np.asarray(sc.ego_history_rot).shape == (16, 3, 3)
         assert np.asarray(sc.ego_future_xyz).shape == (64, 3)
         assert np.asarray(sc.ego_future_rot).shape == (64, 3, 3)
-        assert sc.image_format == "png" and sc.image_size == (64, 64)
+        assert sc.image_format == "png" and sc.image_size == S.DEFAULT_IMAGE_SIZE
         for blob in sc.images[:4]:
             im = Image.open(io.BytesIO(blob))
-            assert im.format == "PNG" and im.size == (64, 64) and im.mode == "RGB"
+            assert im.format == "PNG" and im.size == S.DEFAULT_IMAGE_SIZE and im.mode == "RGB"
 
 
 def test_jpeg_and_non_square():
@@ -483,7 +483,8 @@ def test_build_request_parameters_and_refusals(scenes_64):
 def test_runtime_request_is_the_decoded_request(scenes_64):
     sc = scenes_64[5]
     traj = runtime_request(sc, "trajectory", max_tokens=9)
-    assert traj.frames.shape == (24, 64, 64, 3) and traj.frames.dtype == np.uint8
+    w, h = S.DEFAULT_IMAGE_SIZE
+    assert traj.frames.shape == (24, h, w, 3) and traj.frames.dtype == np.uint8
     assert traj.camera_ids == (0, 1, 2, 3, 5, 6) and traj.num_frames == 4 and traj.max_tokens is None
     assert traj.request_id == f"{sc.scene_id}-trajectory" and traj.seed == 0 and traj.temperature == 0.0
     assert np.array_equal(traj.ego_history_xyz, np.asarray(sc.ego_history_xyz, np.float32))
