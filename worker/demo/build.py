@@ -103,6 +103,16 @@ RECIPES["gpu2"] = dataclasses.replace(
     train={**RECIPES["gpu"].train, "steps": 1250, "key_weights": (10.0, 15.0, 3.0), "lead_repeats": 2},
     refine={**RECIPES["gpu"].refine, "steps": 1500})
 SHIPPED_RECIPE = "gpu2"       # what worker/demo/shipped was built with (its quality.json says so too)
+# The next GPU build (not yet run): `gpu2` over 12,000 scenes and a 3,000-step schedule, too long
+# for one 10-minute device call, so it runs in two with a resume file (worker/demo/resume.py):
+#   demo-checkpoint --recipe gpu3 --device cuda --workers 15 --out /tmp/gpuck --resume-file /tmp/gpu3.pt --stop-at-step 1700
+#   demo-checkpoint --recipe gpu3 --device cuda --workers 15 --out /tmp/gpuck --resume-file /tmp/gpu3.pt
+# (the second call within the machine's idle window, so /tmp/gpu3.pt is still there). Why: the one
+# build that reached minADE 1.45 m ran a 1,500-step schedule cut at 1,264 steps; `gpu2` ran 1,250
+# steps to the end (1.86 m), and its misses are misread situations (docs/demo-model.md).
+RECIPES["gpu3"] = dataclasses.replace(
+    RECIPES["gpu2"], name="gpu3", train_scenes=12_000, text_task_scenes=3_000,
+    train={**RECIPES["gpu2"].train, "steps": 3000})
 
 
 def _dims(recipe: Recipe):
@@ -155,9 +165,13 @@ def _deterministic_torch(seed: int):
 
 def build_demo_checkpoint(cache_root: str | os.PathLike | None = None, seed: int = 0, force: bool = False,
                           progress: bool = True, recipe: str = "cpu", device: str = "cpu", workers: int = 1,
-                          out: str | os.PathLike | None = None, budget_s: float | None = None) -> Path:
+                          out: str | os.PathLike | None = None, budget_s: float | None = None,
+                          resume_file: str | os.PathLike | None = None, stop_at: int | None = None) -> Path | None:
     """The demo checkpoint directory, built on first use (see module docstring); `out` builds
-    into that directory instead of the cache; `budget_s` caps training + refinement (70 / 30 %)."""
+    into that directory instead of the cache; `budget_s` caps training + refinement (70 / 30 %).
+    `resume_file`: joint training continues from that file's state when it exists and, with
+    `stop_at`, stops after that many steps saving its state there -> None (no checkpoint yet: call
+    again with the same file to go on; worker/demo/resume.py)."""
     final = Path(out) if out is not None else checkpoint_dir(cache_root, seed)
     if not force and is_complete(final):
         return final
@@ -167,7 +181,8 @@ def build_demo_checkpoint(cache_root: str | os.PathLike | None = None, seed: int
         tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            _build(tmp, seed, progress, RECIPES[recipe], device, workers, budget_s)
+            if not _build(tmp, seed, progress, RECIPES[recipe], device, workers, budget_s, resume_file, stop_at):
+                return None
             if final.exists():
                 old = final.parent / f".{final.name}.old-{os.getpid()}"
                 os.replace(final, old)
@@ -243,7 +258,10 @@ def _parallel(fn, jobs: list, workers: int) -> list:
 
 
 def _build(out: Path, seed: int, progress: bool, recipe: Recipe = RECIPES["cpu"], device: str = "cpu",
-           workers: int = 1, budget_s: float | None = None) -> None:
+           workers: int = 1, budget_s: float | None = None, resume_file: str | os.PathLike | None = None,
+           stop_at: int | None = None) -> bool:
+    """-> False when joint training stopped at `stop_at` to be resumed (nothing written to `out`
+    beyond the support files)."""
     global _POOL_RUNTIME
     t_start, c_start = time.perf_counter(), time.process_time()
     log = (lambda msg: print(f"[demo-checkpoint {time.perf_counter() - t_start:5.1f}s] {msg}", flush=True)) \
@@ -252,6 +270,7 @@ def _build(out: Path, seed: int, progress: bool, recipe: Recipe = RECIPES["cpu"]
 
     from worker.demo import report, train
     from worker.demo.layout import build_tokenizer, make_config, write_support_files
+    from worker.demo.resume import ResumeFile
     from worker.model.checkpoint import save_checkpoint
     from worker.model.config import AlpamayoConfig
     from worker.model.inputs import ImageProcessing
@@ -307,9 +326,13 @@ def _build(out: Path, seed: int, progress: bool, recipe: Recipe = RECIPES["cpu"]
             runtime = AlpamayoRuntime(model, cfg, tok, ids, image_proc, torch.device(device), torch.float32)
         n_params = sum(p.numel() for p in model.parameters())
         log(f"{len(examples)} training sequences; model {n_params / 1e6:.2f} M parameters; training {tc.steps} steps")
+        resume = None if resume_file is None else ResumeFile(
+            Path(resume_file), f"demo v{DEMO_VERSION}, recipe {recipe.name}, seed {seed}, {tc.steps} steps", stop_at)
         summary = train.train(model, runtime, examples, tc, seed=seed, log=log,
                               budget_s=None if budget_s is None else 0.7 * budget_s,
-                              scene_has_lead=[sc.facts.lead_relation != "none" for sc in scenes])
+                              scene_has_lead=[sc.facts.lead_relation != "none" for sc in scenes], resume=resume)
+        if "stopped_at" in summary:
+            return False
         lap("training")
         log(f"expert refinement: {rc.steps} steps over the trained VLM's K/V")
         traj = [e for e in examples if e.task == "trajectory"]
@@ -352,6 +375,7 @@ def _build(out: Path, seed: int, progress: bool, recipe: Recipe = RECIPES["cpu"]
         (out / COMPLETE_MARKER).write_text(json.dumps({"demo_version": DEMO_VERSION, "seed": seed,
                                                        "built_unix": int(time.time())}) + "\n")
         log(f"done in {build['build_wall_s']:.0f}s wall, {build['build_cpu_s']:.0f}s CPU")
+    return True
 
 
 def load_quality(directory: Path) -> dict:
@@ -407,7 +431,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=None,
                    help="with --recipe: stop training + expert refinement after this many seconds (quality.json records "
                         "the steps run)")
+    p.add_argument("--resume-file", default=None, metavar="PATH",
+                   help="with --recipe: continue joint training from this file's state when it exists (and with "
+                        "--stop-at-step, save it there): one schedule over several device calls")
+    p.add_argument("--stop-at-step", type=int, default=None, metavar="N",
+                   help="with --recipe and --resume-file: stop joint training after step N, saving its state")
     args = p.parse_args(argv)
+    if args.stop_at_step is not None and args.resume_file is None:
+        p.error("--stop-at-step needs --resume-file (where the state goes)")
     from worker.demo_cache import demo_checkpoint, shipped_dir
 
     if args.ship:
@@ -429,7 +460,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         path = build_demo_checkpoint(args.cache_dir, seed=args.seed, force=args.force, progress=not args.quiet,
                                      recipe=args.recipe, device=args.device, workers=args.workers, out=args.out,
-                                     budget_s=args.budget_s)
+                                     budget_s=args.budget_s, resume_file=args.resume_file, stop_at=args.stop_at_step)
+        if path is None:
+            print(f"joint training stopped after step {args.stop_at_step}: state in {args.resume_file}; run the same "
+                  "command without --stop-at-step (or with a later one) to go on")
+            return 0
     q = load_quality(path)
     b = q.get("build", {})
     print(f"demo checkpoint: {path}")

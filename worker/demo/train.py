@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from schemas import TASKS
+from worker.demo.resume import ResumeFile
 from worker.model.fast_vision import fast_vision_paths
 from worker.model.action_space import UnicycleActionSpaceConfig, trajectory_to_action
 from worker.model.expert import ActionExpert
@@ -405,13 +406,16 @@ class _Sampler:
 
 def train(model, runtime: AlpamayoRuntime, examples: Sequence[Example], c: TrainConfig, seed: int = 0,
           log: Callable[[str], None] | None = None, callback: Callable[[int], None] | None = None,
-          budget_s: float | None = None, scene_has_lead: Sequence[bool] | None = None) -> dict:
+          budget_s: float | None = None, scene_has_lead: Sequence[bool] | None = None,
+          resume: ResumeFile | None = None) -> dict:
     """AdamW with warm-up + cosine over `c.steps` steps. The global torch RNG (seeded by the
     caller) draws the flow-matching noise and times; a numpy Generator from `seed` the batches.
     `budget_s`: stop after that many seconds even if steps remain (the summary's `steps` says
     how many ran; the weights are then not the recipe's). `scene_has_lead[scene_index]`: scenes
-    with a lead vehicle (`TrainConfig.lead_repeats`). Returns a summary (steps, wall/CPU seconds,
-    final losses)."""
+    with a lead vehicle (`TrainConfig.lead_repeats`). `resume`: continue from its saved state when
+    the file exists, and stop after `resume.stop_at` steps saving the state there (one schedule
+    over several calls, the same weights as one run: a test checks it). Returns a summary (steps,
+    wall/CPU seconds, final losses; `stopped_at` when it stopped to be resumed)."""
     sampler = _Sampler(examples, c, seed, scene_has_lead)
     expert = ActionExpert(model.expert, runtime.cfg.action_space.n_waypoints)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -423,11 +427,12 @@ def train(model, runtime: AlpamayoRuntime, examples: Sequence[Example], c: Train
     model.train()
     t0, c0 = time.perf_counter(), time.process_time()
     hist: list[dict] = []
+    first = resume.load(model, opt, sampler, hist, log) if resume is not None else 0
     clock = _PhaseClock(runtime.device, c.timed_steps)
     # reference_only: the expert's fused GPU kernels have no backward (on a GPU they would cut
     # its layers out of the gradient: a flow loss stuck at 2.0 on the first GPU build)
     with fast_vision_paths(model), reference_only():
-        for step in range(c.steps):
+        for step in range(first, c.steps):
             groups = [[examples[i] for i in g] for g in sampler.step()]
             weight_total = float(sum(float(e.weights.sum()) for g in groups for e in g))
             traj_total = max(1, sum(e.task == "trajectory" for g in groups for e in g))
@@ -460,6 +465,10 @@ def train(model, runtime: AlpamayoRuntime, examples: Sequence[Example], c: Train
                     f"lr {lr_at(step, c):.1e}  {time.perf_counter() - t0:.0f}s")
             if callback is not None:
                 callback(step)
+            if resume is not None and step + 1 == resume.stop_at and step + 1 < c.steps:
+                resume.save(step + 1, model, opt, sampler, hist, log)
+                model.eval()
+                return {"steps": len(hist), "stopped_at": step + 1}
             if budget_s is not None and time.perf_counter() - t0 > budget_s:
                 if log:
                     log(f"stopped at step {step + 1}/{c.steps}: training budget of {budget_s:.0f}s spent")

@@ -197,10 +197,11 @@ def test_incomplete_directory_is_not_reused(tmp_path, monkeypatch):
     assert not build.is_complete(d)
     calls = []
 
-    def fake_build(out: Path, seed: int, progress: bool, *recipe_device_workers_budget) -> None:
+    def fake_build(out: Path, seed: int, progress: bool, *recipe_device_workers_budget) -> bool:
         calls.append(out)
         out.mkdir(parents=True)
         (out / build.COMPLETE_MARKER).write_text("")
+        return True
 
     monkeypatch.setattr(build, "_build", fake_build)
     got = build.build_demo_checkpoint(tmp_path, progress=False)
