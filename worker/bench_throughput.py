@@ -29,7 +29,7 @@ import torch
 from worker.bench import Table, _sync, build_model, condition_successors, hf_generate, make_runtime, random_draft, timeit
 from worker.dflash.loop import DFlash2Speculator
 from worker.dflash.metrics import SpecStats, speculative_block
-from worker.dflash.oracle import OracleProposer, error_rate_for_tau
+from worker.dflash.oracle import OracleProposer, error_rate_for_tau, reference_rows
 from worker.model import memory_plan
 from worker.model.fast_vision import fast_vision_paths
 from worker.model.fp8 import quantize_model_fp8
@@ -74,15 +74,6 @@ def scenes(n: int, k: int, image_hw: tuple[int, int], tag: str, cameras: tuple[i
     return [SceneRequest(request_id=f"{tag}-{i}", task="trajectory", frames=frame_sets[i % len(frame_sets)],
                          camera_ids=cameras, num_frames=num_frames, ego_history_xyz=xyz, ego_history_rot=rot, num_samples=k,
                          temperature=0.6 if k > 1 else 0.0, seed=i) for i in range(n)]
-
-
-def reference(results) -> torch.Tensor:
-    """The baseline's generated tokens per row (scene-major, K per scene), zero-padded."""
-    rows = [toks for r in results for toks in r.token_ids]
-    ref = torch.zeros(len(rows), max(len(t) for t in rows) + 8, dtype=torch.long)
-    for i, t in enumerate(rows):
-        ref[i, :len(t)] = torch.tensor(t)
-    return ref
 
 
 def timed_run(rt, reqs: list[SceneRequest], reps: int) -> tuple[Measured, list]:
@@ -130,7 +121,7 @@ def measure_batch(t: Table, rt, spec: DFlash2Speculator, profile: str, b: int, k
     rt.trajectory_max_new = min(full, WARMUP_REASONING)
     try:
         rt.speculator = None
-        warm_ref = reference(rt.run(small))
+        warm_ref = reference_rows(rt.run(small))
         rt.speculator = spec
         with with_oracle(spec, warm_ref):
             rt.run(small)
@@ -145,7 +136,7 @@ def measure_batch(t: Table, rt, spec: DFlash2Speculator, profile: str, b: int, k
     rt.speculator = None
     out["baseline"], base_res = timed_run(rt, reqs, reps)
     rt.speculator = spec
-    with with_oracle(spec, reference(base_res)):
+    with with_oracle(spec, reference_rows(base_res)):
         out["dflash2"], spec_res = timed_run(rt, reqs, reps)
     same = sum(a.token_ids == c.token_ids for a, c in zip(base_res, spec_res))
     for mode in ("baseline", "dflash2"):

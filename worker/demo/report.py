@@ -207,10 +207,12 @@ BARS = {"light_named": (">=", 0.95), "lead_named": (">=", 0.80), "min_ade_m": ("
 def measure_bars(checkpoint: Path, head: Path, scenes: Sequence) -> dict:
     """The demo checkpoint + head on held-out `scenes`, on the CPU in fp32: trajectory quality over
     K=3 samples at T=0.6 (`evaluate`), DFlash2 mean acceptance length greedy (K=1) and at K=3,
-    T=0.6, and the selector's gain (greedy acceptance over the same head with W_q zeroed, minus 1)."""
+    T=0.6, and the selector's gain (greedy acceptance over the same head with W_q zeroed, minus 1)
+    with its ceiling (a selector that always picks the baseline's token when it is a candidate)."""
     import torch
 
     from worker.dflash.loop import DFlash2Speculator
+    from worker.dflash.oracle import SelectorCeiling, reference_rows
     from worker.dflash.train import measure_acceptance
     from worker.model.runtime import AlpamayoRuntime
 
@@ -226,6 +228,15 @@ def measure_bars(checkpoint: Path, head: Path, scenes: Sequence) -> dict:
         return measure_acceptance(spec, reqs)["mean_acceptance_length"]
 
     greedy, sampled = acceptance(1, 0.0), acceptance(3, 0.6)
+    # the ceiling of any selector over the draft's top-C: the baseline's own tokens proposed
+    # wherever they are all among the candidates (dflash/oracle.py)
+    inner = spec.speculator.proposer
+    spec.speculator.proposer = SelectorCeiling(inner, reference_rows(rt.run(
+        [runtime_request(s, "trajectory", seed=1000 + i) for i, s in enumerate(scenes)])))
+    try:
+        ceiling = acceptance(1, 0.0)
+    finally:
+        spec.speculator.proposer = inner
     with torch.no_grad():
         spec.speculator.draft.selector.q_proj.weight.zero_()
     plain = acceptance(1, 0.0)
@@ -233,7 +244,8 @@ def measure_bars(checkpoint: Path, head: Path, scenes: Sequence) -> dict:
             "min_ade_m": m["min_ade_m"], "min_fde_m": m["min_fde_m"], "reasoning_wellformed": m["reasoning_wellformed"],
             "mean_acceptance_length_greedy": round(greedy, 3), "mean_acceptance_length_t06_k3": round(sampled, 3),
             "selector_gain": round(greedy / plain - 1.0, 3), "mean_acceptance_length_greedy_selector_zeroed":
-            round(plain, 3), "measured_on": "cpu, fp32", "wall_s": round(time.perf_counter() - t0, 1)}
+            round(plain, 3), "selector_gain_ceiling": round(ceiling / plain - 1.0, 3),
+            "measured_on": "cpu, fp32", "wall_s": round(time.perf_counter() - t0, 1)}
 
 
 def bars_met(bars: dict) -> dict[str, bool]:

@@ -26,6 +26,16 @@ def error_rate_for_tau(tau: float, num_spec_tokens: int = 7) -> float:
     return (lo + hi) / 2
 
 
+def reference_rows(results) -> torch.Tensor:
+    """SceneResults -> their generated tokens per row (scene-major, K per scene), zero-padded
+    (R, longest + 8): the reference an oracle proposes from."""
+    rows = [toks for r in results for toks in r.token_ids]
+    ref = torch.zeros(len(rows), max(len(t) for t in rows) + 8, dtype=torch.long)
+    for i, t in enumerate(rows):
+        ref[i, :len(t)] = torch.tensor(t)
+    return ref
+
+
 class OracleProposer:
     def __init__(self, inner: Proposer, reference: torch.Tensor, error_rate: float, seed: int = 0):
         """reference (R, L) long: each row's recorded generated tokens (padded)."""
@@ -66,3 +76,27 @@ class OracleProposer:
         u = uniform(key, idx, 1, stream=3)[..., 0]
         wrong = (want + 1 + (u * 97).long()) % self.inner.oracle_vocab
         return torch.where(u < self.error_rate, wrong, want)
+
+
+class SelectorCeiling(OracleProposer):
+    """The best any selector over the draft's top-C could do: the real draft pass and selector
+    run (their cost is real), then wherever the reference's next tokens are all among the
+    candidates, those are proposed instead. Its acceptance over a head with the selector zeroed
+    bounds the selector gain (`report.measure_bars`, `selector_gain_ceiling`)."""
+
+    def __init__(self, inner: Proposer, reference: torch.Tensor):
+        super().__init__(inner, reference, error_rate=0.0)
+
+    def propose(self, batch) -> torch.Tensor:
+        inner = self.inner
+        graphed = inner.persistent and inner.graphs is not None
+        cap = inner.k[0].shape[2] if graphed else int(batch.lengths.max())
+        h, cand_logits, cand = inner.candidates(batch.next_token, batch.lengths, batch.rope_delta, batch.banned, cap)
+        chosen = inner.select(h, batch.next_token, cand_logits, cand)
+        ref = inner.oracle_reference[:chosen.shape[0]]
+        idx = (batch.n_generated[:, None] + torch.arange(chosen.shape[1], device=chosen.device)).clamp(
+            max=ref.shape[1] - 1)
+        want = ref.gather(1, idx)                                          # (B, 7)
+        in_top = (cand == want[..., None]).any(-1).long().cumprod(1).bool()
+        return torch.where(in_top, want, chosen)
+

@@ -77,6 +77,14 @@ class Proposer:
     @torch.inference_mode()
     def _propose(self, next_token: torch.Tensor, lengths: torch.Tensor, rope_delta: torch.Tensor,
                  banned: torch.Tensor, s: int) -> torch.Tensor:
+        h, cand_logits, cand = self.candidates(next_token, lengths, rope_delta, banned, s)
+        return self.select(h, next_token, cand_logits, cand)
+
+    def candidates(self, next_token: torch.Tensor, lengths: torch.Tensor, rope_delta: torch.Tensor,
+                   banned: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One draft pass over [next_token, MASK x 7] -> h (B, 8, H), the top-C candidates' logits
+        (B, 7, C) and ids (B, 7, C) (s: context columns to attend, the persistent cache's capacity
+        under graphs)."""
         b = next_token.shape[0]
         dev = next_token.device
         n = self.block_size
@@ -95,8 +103,15 @@ class Proposer:
         hb = h[:, 1:].reshape(b * (n - 1), -1)
         logits = self.lm_head(hb).float().view(b, n - 1, -1).masked_fill(banned, float("-inf"))
         cand_logits, cand = logits.topk(self.num_candidates, dim=-1)      # (B, n-1, C)
+        return h, cand_logits, cand
+
+    def select(self, h: torch.Tensor, next_token: torch.Tensor, cand_logits: torch.Tensor,
+               cand: torch.Tensor) -> torch.Tensor:
+        """The selector's choice among the candidates, position by position, each scored given the
+        token chosen before it -> proposals (B, 7)."""
+        b, n = cand.shape[0], cand.shape[1] + 1
         cand_emb = self.embed(cand).to(h.dtype)                            # (B, n-1, C, H)
-        out = torch.empty(b, n - 1, dtype=torch.long, device=dev)
+        out = torch.empty(b, n - 1, dtype=torch.long, device=cand.device)
         prev = next_token
         for i in range(n - 1):
             scores = self.draft.selector.scores(h[:, 1 + i:2 + i], self.embed(prev)[:, None].to(h.dtype),

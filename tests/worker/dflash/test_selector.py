@@ -102,3 +102,39 @@ def test_zeroing_the_shipped_selector_changes_proposals_and_lowers_heldout_accep
     assert tokens_a == tokens_b                                    # lossless either way
     assert steps_a != steps_b, "zeroing the selector changed no proposal"
     assert with_selector > plain, (with_selector, plain)
+
+
+def test_the_selector_ceiling_proposes_the_baselines_tokens_where_the_draft_offers_them():
+    """SelectorCeiling (dflash/oracle.py): on the shipped head, always picking the baseline's own
+    token when it is among the top-C accepts at least as much as the trained selector and more
+    than the plain argmax (the draft's top-C holds tokens its argmax misses); the outputs stay
+    the baseline's."""
+    from worker.demo import build
+    from worker.demo_cache import demo_checkpoint, demo_head
+    from worker.dflash.oracle import SelectorCeiling, reference_rows
+    from worker.scenes import generate_scene
+    from worker.scenes.request import runtime_request
+
+    ckpt = demo_checkpoint()
+    base = AlpamayoRuntime.load(ckpt, device="cpu", dtype=torch.float32)
+    spec = AlpamayoRuntime.load(ckpt, device="cpu", dtype=torch.float32,
+                                speculator_factory=DFlash2Speculator.factory(str(demo_head(ckpt))))
+    seeds = build.heldout_seeds(0, build.RECIPES[build.SHIPPED_RECIPE])[:6]
+    requests = [runtime_request(generate_scene(s, DEFAULT_IMAGE_SIZE), "trajectory", seed=1000 + i)
+                for i, s in enumerate(seeds)]
+    ref = base.run(requests)
+
+    def accepted() -> float:
+        res = spec.run(requests)
+        assert [r.token_ids for r in res] == [r.token_ids for r in ref]
+        return 1 + sum(r.speculative.accepted for r in res) / sum(r.speculative.steps for r in res)
+
+    trained = accepted()
+    inner = spec.speculator.proposer
+    spec.speculator.proposer = SelectorCeiling(inner, reference_rows(ref))
+    ceiling = accepted()
+    spec.speculator.proposer = inner
+    with torch.no_grad():
+        spec.speculator.draft.selector.q_proj.weight.zero_()
+    plain = accepted()
+    assert plain <= trained <= ceiling <= 8.0 and ceiling > plain, (plain, trained, ceiling)
