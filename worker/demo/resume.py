@@ -36,7 +36,7 @@ class ResumeFile:
         """-> the step to continue from (0 when there is no file yet)."""
         if not self.path.is_file():
             return 0
-        state = torch.load(self.path, map_location="cpu", weights_only=False)
+        state = torch.load(self.path, map_location="cpu", weights_only=True)
         if state["key"] != self.key:
             raise ValueError(f"resume file {self.path} is from {state['key']!r}, not {self.key!r}: "
                              "delete it or name another file")
