@@ -49,9 +49,10 @@ class OracleProposer:
         return getattr(self.inner, name)
 
     def prepare(self, batch) -> None:
-        """Put the reference where the graphed loop steps read it: one buffer of (batch rows x the
-        draft cache's capacity) kept on the real proposer, shared by every oracle over it, so a
-        step captured for one oracle replays with the next one's reference."""
+        """Put the reference, error rate and seed where the graphed loop steps read them: device
+        buffers kept on the real proposer (the reference's: batch rows x the draft cache's
+        capacity), shared by every oracle over it, so a step captured for one oracle replays with
+        the next one's."""
         k = self.inner.k[0] if self.inner.k else None
         rows = max(batch.rows, k.shape[0] if k is not None else 0)
         width = max(k.shape[2] if k is not None else 0, self.reference.shape[1])
@@ -61,10 +62,14 @@ class OracleProposer:
                 self.inner.graphs.clear()          # steps captured over the old buffer
             buf = self.inner.oracle_reference = torch.zeros(rows, width, dtype=torch.long, device=batch.lengths.device)
             self.inner.oracle_vocab = torch.zeros((), dtype=torch.long, device=buf.device)
+            self.inner.oracle_seed = torch.zeros((), dtype=torch.long, device=buf.device)
+            self.inner.oracle_error_rate = torch.zeros((), dtype=torch.float32, device=buf.device)
         buf.zero_()
         ref = self.reference[:rows]
         buf[:ref.shape[0], :ref.shape[1]] = ref.to(buf.device)
         self.inner.oracle_vocab.fill_(max(int(self.reference.max()) + 2, 2))
+        self.inner.oracle_seed.fill_(self.seed)
+        self.inner.oracle_error_rate.fill_(self.error_rate)
 
     def propose(self, batch) -> torch.Tensor:
         real = self.inner.propose(batch)                                   # pay the draft's cost
@@ -72,10 +77,10 @@ class OracleProposer:
         ref = self.inner.oracle_reference[:real.shape[0]]                 # rows padded to a graph bucket: zeros
         idx = (batch.n_generated[:, None] + torch.arange(n, device=real.device)).clamp(max=ref.shape[1] - 1)
         want = ref.gather(1, idx)
-        key = torch.full_like(batch.n_generated, self.seed) + torch.arange(real.shape[0], device=real.device)
+        key = self.inner.oracle_seed + torch.arange(real.shape[0], device=real.device)
         u = uniform(key, idx, 1, stream=3)[..., 0]
         wrong = (want + 1 + (u * 97).long()) % self.inner.oracle_vocab
-        return torch.where(u < self.error_rate, wrong, want)
+        return torch.where(u < self.inner.oracle_error_rate, wrong, want)
 
 
 class SelectorCeiling(OracleProposer):

@@ -303,3 +303,29 @@ def test_dflash_graphed_loop_steps_are_lossless(ckpt, head, runtimes):
         assert sum(r.speculative.accepted for r in b) > 0
     # the draft pass and the verify forward run inside the step's graph, not as graphs of their own
     assert {k[0] for k in graphs._graphs} == {"verify7:OracleProposer", "expert"}, list(graphs._graphs)
+
+
+def test_an_oracle_proposes_from_the_shared_buffers_its_prepare_fills():
+    """The benchmarks sweep oracles of several error rates over one runtime, and a verify step
+    graph captured for the first replays for the next: so propose must read the reference, error
+    rate and seed from the device buffers prepare() fills, not from the oracle's own attributes
+    (a captured graph keeps those as constants)."""
+    from types import SimpleNamespace
+
+    class Draft:                          # the real draft pass is not what this checks
+        block_size, k, graphs = 8, [torch.zeros(2, 1, 64, 4)], None
+
+        def propose(self, batch):
+            return torch.zeros(batch.rows, 7, dtype=torch.long)
+
+    ref = torch.arange(1, 41).view(2, 20)
+    batch = SimpleNamespace(rows=2, lengths=torch.tensor([5, 5]), n_generated=torch.tensor([0, 3]))
+    draft = Draft()
+    right, wrong = OracleProposer(draft, ref, error_rate=0.0, seed=1), OracleProposer(draft, ref, error_rate=1.0, seed=2)
+    right.prepare(batch)
+    want = torch.stack([ref[0, 0:7], ref[1, 3:10]])
+    assert torch.equal(right.propose(batch), want)
+    assert torch.equal(wrong.propose(batch), want)             # the buffers say error rate 0
+    wrong.prepare(batch)
+    assert not (right.propose(batch) == want).any()            # now they say 1
+
