@@ -71,12 +71,16 @@ class OracleProposer:
         self.inner.oracle_seed.fill_(self.seed)
         self.inner.oracle_error_rate.fill_(self.error_rate)
 
+    def reference_tokens(self, batch, rows: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (want, idx) (rows, n): the reference's next n tokens of each row and their columns
+        (rows padded to a graph bucket read zeros)."""
+        ref = self.inner.oracle_reference[:rows]
+        idx = (batch.n_generated[:, None] + torch.arange(n, device=ref.device)).clamp(max=ref.shape[1] - 1)
+        return ref.gather(1, idx), idx
+
     def propose(self, batch) -> torch.Tensor:
         real = self.inner.propose(batch)                                   # pay the draft's cost
-        n = real.shape[1]
-        ref = self.inner.oracle_reference[:real.shape[0]]                 # rows padded to a graph bucket: zeros
-        idx = (batch.n_generated[:, None] + torch.arange(n, device=real.device)).clamp(max=ref.shape[1] - 1)
-        want = ref.gather(1, idx)
+        want, idx = self.reference_tokens(batch, real.shape[0], real.shape[1])
         key = self.inner.oracle_seed + torch.arange(real.shape[0], device=real.device)
         u = uniform(key, idx, 1, stream=3)[..., 0]
         wrong = (want + 1 + (u * 97).long()) % self.inner.oracle_vocab
@@ -98,10 +102,7 @@ class SelectorCeiling(OracleProposer):
         cap = inner.k[0].shape[2] if graphed else int(batch.lengths.max())
         h, cand_logits, cand = inner.candidates(batch.next_token, batch.lengths, batch.rope_delta, batch.banned, cap)
         chosen = inner.select(h, batch.next_token, cand_logits, cand)
-        ref = inner.oracle_reference[:chosen.shape[0]]
-        idx = (batch.n_generated[:, None] + torch.arange(chosen.shape[1], device=chosen.device)).clamp(
-            max=ref.shape[1] - 1)
-        want = ref.gather(1, idx)                                          # (B, 7)
+        want, _ = self.reference_tokens(batch, chosen.shape[0], chosen.shape[1])      # (B, 7)
         in_top = (cand == want[..., None]).any(-1).long().cumprod(1).bool()
         return torch.where(in_top, want, chosen)
 

@@ -101,6 +101,7 @@ class DecodeBatch:
 
 
 STATE = ("lengths", "next_token", "generated", "n_generated", "finishing", "done")   # what commit changes
+_PARAMS = tuple(f.name for f in fields(SamplingParams) if f.name != "all_greedy")    # its tensors, in order
 
 
 def run_step(decoder: TextDecoder, batch: DecodeBatch, name: str,
@@ -116,7 +117,7 @@ def run_step(decoder: TextDecoder, batch: DecodeBatch, name: str,
     if batch.cache is not decoder.persistent or graphs is None or not graphs.enabled:
         return step(batch)
     greedy = batch.params.greedy_only()                  # read before capture (a host sync)
-    params = tuple(getattr(batch.params, f.name) for f in fields(SamplingParams) if f.name != "all_greedy")
+    params = tuple(getattr(batch.params, f) for f in _PARAMS)
     inputs = tuple(getattr(batch, f) for f in STATE) + params + (batch.rope_delta, batch.banned, batch.terminal,
                                                                  batch.max_new)
 

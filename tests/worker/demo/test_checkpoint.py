@@ -246,6 +246,25 @@ def test_training_data_pipeline_is_deterministic(ckpt, runtime, quality):
         train.target_text(few[0], "trajectory")
 
 
+def untrained_model(ckpt, seed: int = 0):
+    """(model, runtime): a freshly initialised model of `ckpt`'s config (torch seed `seed`) and
+    the CPU fp32 runtime over it, as the build makes them before training."""
+    import torch
+
+    from worker.model.config import AlpamayoConfig
+    from worker.model.inputs import ImageProcessing
+    from worker.model.modules import Alpamayo2
+    from worker.model.runtime import AlpamayoRuntime
+    from worker.model.tokenizer import load_tokenizer
+
+    cfg = AlpamayoConfig.from_dir(ckpt)
+    tok, ids = load_tokenizer(ckpt, cfg)
+    torch.manual_seed(seed)
+    model = Alpamayo2(cfg)
+    return model, AlpamayoRuntime(model, cfg, tok, ids, ImageProcessing.from_dir(ckpt, cfg.min_pixels, cfg.max_pixels),
+                                  torch.device("cpu"), torch.float32)
+
+
 def test_a_training_step_moves_every_weight_of_a_model_the_runtime_was_built_over(ckpt):
     """The build makes the runtime (prompts, image processing) before it trains; building the
     runtime fuses q/k/v and gate/up into views, which once left those weights frozen (254 k of
@@ -253,19 +272,9 @@ def test_a_training_step_moves_every_weight_of_a_model_the_runtime_was_built_ove
     import torch
 
     from worker.demo import train
-    from worker.model.config import AlpamayoConfig
-    from worker.model.inputs import ImageProcessing
-    from worker.model.modules import Alpamayo2
-    from worker.model.runtime import AlpamayoRuntime
-    from worker.model.tokenizer import load_tokenizer
     from worker.scenes import generate_scene
 
-    cfg = AlpamayoConfig.from_dir(ckpt)
-    tok, ids = load_tokenizer(ckpt, cfg)
-    torch.manual_seed(0)
-    model = Alpamayo2(cfg)
-    runtime = AlpamayoRuntime(model, cfg, tok, ids, ImageProcessing.from_dir(ckpt, cfg.min_pixels, cfg.max_pixels),
-                              torch.device("cpu"), torch.float32)
+    model, runtime = untrained_model(ckpt)
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     assert not frozen, frozen
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -10,22 +10,13 @@ import torch
 from worker.demo import build, train
 from worker.demo.resume import ResumeFile
 from worker.demo_cache import demo_checkpoint
-from worker.model.config import AlpamayoConfig
-from worker.model.inputs import ImageProcessing
-from worker.model.modules import Alpamayo2
-from worker.model.runtime import AlpamayoRuntime
-from worker.model.tokenizer import load_tokenizer
 from worker.scenes import DEFAULT_IMAGE_SIZE, generate_scene
+
+from tests.worker.demo.test_checkpoint import untrained_model
 
 
 def _train(resume: ResumeFile | None = None):
-    ckpt = demo_checkpoint()
-    cfg = AlpamayoConfig.from_dir(ckpt)
-    tok, ids = load_tokenizer(ckpt, cfg)
-    torch.manual_seed(0)
-    model = Alpamayo2(cfg)
-    runtime = AlpamayoRuntime(model, cfg, tok, ids, ImageProcessing.from_dir(ckpt, cfg.min_pixels, cfg.max_pixels),
-                              torch.device("cpu"), torch.float32)
+    model, runtime = untrained_model(demo_checkpoint())
     examples = train.build_examples(runtime, [generate_scene(s, DEFAULT_IMAGE_SIZE) for s in build.train_seeds(0)[:3]],
                                     tasks=("trajectory",))
     torch.manual_seed(1)                  # the flow-matching noise and times
