@@ -14,7 +14,6 @@ this module before Triton is imported) on small shapes; that is what `make test`
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 
 import torch
@@ -147,10 +146,6 @@ def check_stream_linear(shape: dict, dtype, dev, gen) -> list[tuple[str, str, fl
             same = torch.equal(out, _replayed(lambda o: stream_linear(x, w8, scale, out=o), out))
             err = rel_err(out, x.double() @ w64.t()) if same else (float("nan"), float("nan"))
             rows.append((f"fp8 weight-only {name}", f"M {m}, {k} -> {n}", *err))
-            if m > 1:                # the fp16 tensor-core form (LaunchConfig.f16), same tile
-                c = dataclasses.replace(launch_config(m), f16=True)
-                y = stream_linear(x, w8, scale, config=c)
-                rows.append((f"fp8 weight-only, fp16 dot {name}", f"M {m}, {k} -> {n}", *rel_err(y, x.double() @ w64.t())))
         del w64
         # the same kernel on a plain weight of the activation dtype, stored (N, K) (`layers.project`)
         w = torch.randn(n, k, device=dev, generator=gen).to(dtype)
@@ -335,12 +330,10 @@ FP8_SWEEP_CONFIGS = {
     1: [LaunchConfig(1, bn, bk, w, 2)
         for bn, bk in ((8, 512), (8, 1024), (16, 256), (16, 512), (16, 1024), (32, 128), (32, 256), (32, 512),
                        (64, 128)) for w in (4, 8)],
-    8: [LaunchConfig(16, bn, bk, w, st, f16) for bn, bk, w, st in ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3),
-                                                                    (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3))
-        for f16 in (False, True)],
-    32: [LaunchConfig(32, bn, bk, w, st, f16) for bn, bk, w, st in ((32, 128, 4, 4), (64, 64, 4, 4), (64, 256, 4, 3),
-                                                                     (128, 128, 4, 3), (128, 128, 8, 3))
-         for f16 in (False, True)],
+    8: [LaunchConfig(16, bn, bk, w, st) for bn, bk, w, st in ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3),
+                                                               (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3))],
+    32: [LaunchConfig(32, bn, bk, w, st) for bn, bk, w, st in ((32, 128, 4, 4), (64, 64, 4, 4), (64, 256, 4, 3),
+                                                                (128, 128, 4, 3), (128, 128, 8, 3))],
 }
 
 
@@ -400,8 +393,7 @@ def sweep_fp8_linear(dev, gen) -> None:
                 except Exception as e:          # a config over the shared-memory or register limit
                     print(f"| {c} | {m} | {name} | {type(e).__name__} | - | |")
                     continue
-                print(f"| {c.block_m}, {c.block_n}, {c.block_k}, {c.warps}, {c.stages}{', fp16 dot' if c.f16 else ''} "
-                      f"| {m} | {name} "
+                print(f"| {c.block_m}, {c.block_n}, {c.block_k}, {c.warps}, {c.stages} | {m} | {name} "
                       f"| {times[0]:.1f} | {times[1]:.1f} | {'yes' if c == launch_config(m) else ''} |", flush=True)
 
 

@@ -103,16 +103,6 @@ RECIPES["gpu2"] = dataclasses.replace(
     train={**RECIPES["gpu"].train, "steps": 1250, "key_weights": (10.0, 15.0, 3.0), "lead_repeats": 2},
     refine={**RECIPES["gpu"].refine, "steps": 1500})
 SHIPPED_RECIPE = "gpu2"       # what worker/demo/shipped was built with (its quality.json says so too)
-# The next GPU build (not yet run): `gpu2` over 12,000 scenes and a 3,000-step schedule, too long
-# for one 10-minute device call, so it runs in two with a resume file (worker/demo/resume.py):
-#   demo-checkpoint --recipe gpu3 --device cuda --workers 15 --out /tmp/gpuck --resume-file /tmp/gpu3.pt --stop-at-step 1700
-#   demo-checkpoint --recipe gpu3 --device cuda --workers 15 --out /tmp/gpuck --resume-file /tmp/gpu3.pt
-# (the second call within the machine's idle window, so /tmp/gpu3.pt is still there). Why: the one
-# build that reached minADE 1.45 m ran a 1,500-step schedule cut at 1,264 steps; `gpu2` ran 1,250
-# steps to the end (1.86 m), and its misses are misread situations (docs/demo-model.md).
-RECIPES["gpu3"] = dataclasses.replace(
-    RECIPES["gpu2"], name="gpu3", train_scenes=12_000, text_task_scenes=3_000,
-    train={**RECIPES["gpu2"].train, "steps": 3000})
 
 
 def _dims(recipe: Recipe):

@@ -423,7 +423,7 @@ def train(model, runtime: AlpamayoRuntime, examples: Sequence[Example], c: Train
     expert_params = [p for p in model.expert.parameters() if p.requires_grad]
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": c.weight_decay},
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=c.lr, betas=(0.9, 0.98))
+                            lr=c.lr, betas=(0.9, 0.98), fused=runtime.device.type == "cuda")
     model.train()
     t0, c0 = time.perf_counter(), time.process_time()
     hist: list[dict] = []

@@ -154,11 +154,9 @@ def _batch_loss(draft: DraftModel, embed, lm_head, seqs: list[Sequence], anchors
 
 def train_head(rt, train_requests, head_cfg: HeadConfig, steps: int = 400, lr: float = 5e-3, seed: int = 0,
                batch: int = 4, anchors_per_seq: int = 8, time_budget_s: float | None = None,
-               progress: bool = False, selector_steps: int = 0, selector_lr: float = 1e-3) -> tuple[DraftModel, dict]:
-    """Distil a head for the runtime's base model: `steps` joint steps (one-cycle to `lr`), then
-    `selector_steps` steps of the selector alone at `selector_lr` (the rest frozen; on the CPU,
-    1,000 such steps over 256 scenes raised the shipped head's selector gain from 0.054 to 0.073,
-    3,000 over 512 scenes to 0.057 only: docs/demo-model.md). Returns (draft, provenance)."""
+               progress: bool = False) -> tuple[DraftModel, dict]:
+    """Distil a head for the runtime's base model: `steps` steps, one-cycle to `lr`. Returns
+    (draft, provenance)."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
@@ -195,15 +193,6 @@ def train_head(rt, train_requests, head_cfg: HeadConfig, steps: int = 400, lr: f
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     done, loss = run(params, steps, opt, sched, "head")
     prov = {"method": "self-distillation", "sequences": len(seqs), "steps": done}
-    if selector_steps:
-        selector = list(draft.selector.parameters())
-        for p in params:
-            p.requires_grad_(False)
-        for p in selector:
-            p.requires_grad_(True)
-        prov["selector_steps"], loss = run(selector, selector_steps,
-                                           torch.optim.AdamW(selector, lr=selector_lr, weight_decay=0.0), None,
-                                           "selector")
     prov.update({"final_loss": float(loss.detach()), "seed": seed, "data_seconds": round(t_data, 1),
                  "train_seconds": round(time.perf_counter() - t0 - t_data, 1)})
     return draft.cpu().eval().requires_grad_(False), prov
@@ -236,9 +225,7 @@ def demo_requests(seeds, k: int = 1, temperature: float = 0.0, image_size: tuple
 # head recipes: the CPU one builds in about two minutes where no shipped head exists; the GPU one
 # made the shipped head (docs/demo-model.md)
 HEAD_RECIPES = {"cpu": dict(train_scenes=64, steps=400, batch=4, time_budget_s=120.0),
-                "gpu": dict(train_scenes=768, steps=4000, batch=32, time_budget_s=420.0),
-                # the next GPU head (not yet run): the shipped one's, then the selector alone
-                "gpu2": dict(train_scenes=768, steps=4000, batch=32, time_budget_s=540.0, selector_steps=1000)}
+                "gpu": dict(train_scenes=768, steps=4000, batch=32, time_budget_s=420.0)}
 
 
 def build_demo_head(checkpoint: str | Path, cache_root: str | Path | None = None, seed: int = 0,
@@ -270,8 +257,7 @@ def build_demo_head(checkpoint: str | Path, cache_root: str | Path | None = None
     if progress:
         print(f"DFlash2 head: distilling from {checkpoint} ({train_scenes} scenes)", flush=True)
     draft, prov = train_head(rt, train, head_cfg, steps=r["steps"], seed=seed, batch=r["batch"],
-                             time_budget_s=r["time_budget_s"], progress=progress,
-                             selector_steps=r.get("selector_steps", 0))
+                             time_budget_s=r["time_budget_s"], progress=progress)
     prov.update(recipe=recipe, device=device)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

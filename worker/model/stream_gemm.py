@@ -13,12 +13,7 @@ Two forms, chosen per number of rows by `LAUNCH_CONFIGS`:
         16-byte loads along K and sums its products with the row's x into BLOCK_N fp32 sums
         (no tensor cores: a matrix-vector product has nothing for them to do; summing every step
         keeps registers low, so more programs, and more loads, are in flight per multiprocessor)
-  dot   a (BLOCK_M, BLOCK_N) tile per program through tensor cores (tl.dot, BLOCK_M >= 16); an
-        e4m3 weight widens to bf16 (on sm90 four conversions per two values, through fp16 and fp32)
-        or, with `LaunchConfig.f16`, to fp16 (one conversion per two values) against the rows of
-        x (bf16) scaled by a power of two into fp16's range: exact for values at least 2^-26 of
-        their row's largest magnitude, so the same product up to the summation order
-        (`f16_row_scale`); to be measured against the bf16 widening (`kernel_check --sweep`)
+  dot   a (BLOCK_M, BLOCK_N) tile per program through tensor cores (tl.dot, BLOCK_M >= 16)
 Both split K across programs when the output tiles alone would leave multiprocessors idle
 (`split_count`): each split writes an fp32 partial and a second kernel sums the splits in a
 fixed order (no atomics), so a second launch gives the same bits. Launch shapes depend only on
@@ -60,7 +55,6 @@ class LaunchConfig:
     block_k: int
     warps: int
     stages: int
-    f16: bool = False                  # dot form, e4m3 weights: fp16 tensor-core products (module docstring)
 
 
 # (most rows, config): the first entry whose row count covers M; the last covers any larger M.
@@ -136,7 +130,7 @@ if triton is not None:
     def _stream_kernel(X, W, SCALE, BIAS, Y, PART, M, N, K, sx_m, sw_n, sw_k, sy_m, k_per_split,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   DOT_FP32: tl.constexpr, F16_DOT: tl.constexpr, GDC: tl.constexpr):
+                   DOT_FP32: tl.constexpr, GDC: tl.constexpr):
         gdc_enter(GDC)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -148,14 +142,6 @@ if triton is not None:
         k_start = pid_k * k_per_split
         k_stop = tl.minimum(k_start + k_per_split, K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if F16_DOT:                  # one power of two per row over this program's K range
-            amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for k0 in range(k_start, k_stop, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(X + offs_m[:, None] * sx_m + offs_k[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :],
-                            other=0.0)
-                amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-            row_scale = f16_row_scale(amax)
         for k0 in range(k_start, k_stop, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
@@ -169,18 +155,10 @@ if triton is not None:
                             other=0.0)
             if BLOCK_M == 1:                                    # gemv: x (1, BLOCK_K) against each row of W
                 acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
-            elif F16_DOT:
-                xs = (x.to(tl.float32) * row_scale[:, None]).to(tl.float16)
-                if DOT_FP32:
-                    acc = tl.dot(xs.to(tl.float32), tl.trans(w.to(tl.float16).to(tl.float32)), acc)
-                else:
-                    acc = tl.dot(xs, tl.trans(w.to(tl.float16)), acc)
             elif DOT_FP32:
                 acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
             else:
                 acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-        if F16_DOT:
-            acc = acc / row_scale[:, None]                      # a power of two: exact
         mask = m_ok[:, None] & n_ok[None, :]
         if SPLIT == 1:
             y = acc
@@ -191,14 +169,6 @@ if triton is not None:
             tl.store(Y + offs_m[:, None] * sy_m + offs_n[None, :], y.to(Y.dtype.element_ty), mask=mask)
         else:
             tl.store(PART + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
-
-    @triton.jit
-    def f16_row_scale(amax):
-        """(BLOCK_M,) largest |x| of each row -> the power of two taking it into [2^12, 2^15)
-        (log2's rounding may shift the exponent by one either way: still under fp16's 65504); rows
-        of zeros get 2^113 (0 stays 0)."""
-        e = tl.floor(tl.log2(tl.maximum(amax, 1e-30)))
-        return tl.exp2(13.0 - e)
 
     @triton.jit
     def _sum_splits_kernel(PART, SCALE, BIAS, Y, M, N, sy_m, SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr,
@@ -244,12 +214,11 @@ def stream_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     part = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device) if splits > 1 else y
     s = scale if scale is not None else y
     b = bias if bias is not None else s
-    f16 = config.f16 and scale is not None and config.block_m > 1 and x2.dtype == torch.bfloat16
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(rows, config.block_m), splits)
     _stream_kernel[grid](x2, weight, s, b, y, part, rows, n, k, x2.stride(0), weight.stride(0), weight.stride(1),
                      y.stride(0), k_per_split, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                      BLOCK_K=config.block_k, SPLIT=splits, EVEN_K=k % config.block_k == 0,
-                     HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, DOT_FP32=_INTERPRETED, F16_DOT=f16,
+                     HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, DOT_FP32=_INTERPRETED,
                      num_warps=config.warps, num_stages=config.stages, **launch_args(x2))
     if splits > 1:
         _sum_splits_kernel[(rows, triton.cdiv(n, REDUCE_BLOCK))](

@@ -81,21 +81,3 @@ def test_padded_batch_loss_equals_the_loss_of_one_sequence_at_a_time(setup):
     assert torch.allclose(batched, one_by_one, rtol=1e-5, atol=1e-6), (float(batched), float(one_by_one))
     batched.backward()
     assert float(draft.selector.q_proj.weight.grad.abs().sum()) > 0 and float(draft.fc.weight.grad.abs().sum()) > 0
-
-
-def test_the_selector_phase_trains_the_selector_alone(tiny):
-    """train_head's selector phase (HEAD_RECIPES["gpu2"]): after the joint steps, only the
-    selector's weights move; the draft network is what the joint steps left."""
-    from worker.dflash.train import train_head
-
-    rt = AlpamayoRuntime.load(tiny[0], device="cpu", dtype=torch.float32)
-    rt.trajectory_max_new = 12
-    cfg = dataclasses.replace(head_config_for(rt.cfg, mask_token_id=rt.tok.token_to_id(MASK_TOKEN)),
-                              num_candidates=512)
-    reqs = [scene(310 + i, k=1, temperature=0.8) for i in range(3)]
-    joint, prov = train_head(rt, reqs, cfg, steps=2, batch=2)
-    both, prov2 = train_head(rt, reqs, cfg, steps=2, batch=2, selector_steps=3)
-    assert "selector_steps" not in prov and prov2["selector_steps"] == 3 and prov2["steps"] == 2
-    a, b = joint.state_dict(), both.state_dict()
-    moved = {k for k in a if not torch.equal(a[k], b[k])}
-    assert moved and all(k.startswith("selector.") for k in moved), moved

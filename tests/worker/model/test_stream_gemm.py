@@ -56,22 +56,6 @@ for m, n, k, dtype, transposed in [(1, 37, 600, "bfloat16", False), (1, 37, 600,
     ref = x.double() @ w.double().t()
     out["plain"].append(dict(case=[m, n, k, dtype, transposed], strides=list(w.stride()), shape=list(y.shape),
                              rel_err=float((y.double() - ref).norm() / ref.norm())))
-# the fp16 tensor-core form (LaunchConfig.f16): bf16 rows of very different magnitudes and a zero
-# row, scaled into fp16's range by a power of two: the same values as the bf16 form
-out["f16"] = []
-for m, n, k, splits in [(8, 70, 300, 1), (17, 45, 1000, 3)]:
-    w8, scale = fp8.quantize_weight(torch.randn(n, k, generator=gen))
-    x = (torch.randn(m, k, generator=gen) * torch.logspace(-4, 6, m)[:, None]).to(torch.bfloat16)
-    x[2] = 0.0
-    base = launch_config(m)
-    y16 = stream_linear(x, w8, scale, config=LaunchConfig(16, base.block_n, base.block_k, 4, 2, f16=True), splits=splits)
-    ybf = stream_linear(x, w8, scale, config=LaunchConfig(16, base.block_n, base.block_k, 4, 2), splits=splits)
-    ref = x.double() @ (w8.double() * scale.double()[:, None]).t()
-    row_err = ((y16.double() - ref).norm(dim=1) / ref.norm(dim=1).clamp(min=1e-300)).tolist()
-    out["f16"].append(dict(case=[m, n, k, splits], finite=bool(torch.isfinite(y16).all()), zero_row=bool((y16[2] == 0).all()),
-                           max_rel_diff_to_bf16_form=float(((y16.float() - ybf.float()).abs() / ybf.float().abs().clamp(min=1e-30)).max()),
-                           row_magnitudes=[float(x[r].float().abs().max()) for r in (0, m - 1)],
-                           max_row_err=max(e for i, e in enumerate(row_err) if i != 2)))
 # Fp8Linear: which product runs for few rows, many rows, and inside reference_only()
 lin = fp8.Fp8Linear(torch.nn.Linear(48, 24, bias=False))
 for name, rows, ref_only in [("few", 3, False), ("limit", fp8.WEIGHT_ONLY_MAX_ROWS, False),
@@ -125,16 +109,6 @@ def test_matches_dequantised_product_at_odd_shapes_and_repeats_bit_for_bit(inter
     # the split rule splits a long K when the output tiles are few; forced splits ran too
     assert any(p["case"][5] is None and p["splits_used"] > 1 for p in interpreted["products"])
     assert any(p["case"][5] == 3 for p in interpreted["products"])
-
-
-def test_fp16_dot_form_gives_the_bf16_forms_values_for_rows_of_any_magnitude(interpreted):
-    """LaunchConfig.f16 scales each bf16 row by a power of two into fp16's range (rows from 1e-4 to
-    1e6 here: unscaled, the largest would overflow fp16's 65504) and gives the bf16 form's values."""
-    for c in interpreted["f16"]:
-        assert c["finite"] and c["zero_row"], c
-        assert c["row_magnitudes"][0] < 1e-3 and c["row_magnitudes"][1] > 65504, c
-        assert c["max_row_err"] <= 1e-2, c
-        assert c["max_rel_diff_to_bf16_form"] == 0.0, c      # exact operands, the same fp32 dots here
 
 
 def test_fp8_linear_module_uses_the_kernel_for_few_rows_only(interpreted):
