@@ -14,6 +14,7 @@ this module before Triton is imported) on small shapes; that is what `make test`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 import torch
@@ -146,6 +147,9 @@ def check_stream_linear(shape: dict, dtype, dev, gen) -> list[tuple[str, str, fl
             same = torch.equal(out, _replayed(lambda o: stream_linear(x, w8, scale, out=o), out))
             err = rel_err(out, x.double() @ w64.t()) if same else (float("nan"), float("nan"))
             rows.append((f"fp8 weight-only {name}", f"M {m}, {k} -> {n}", *err))
+            if m > 1:                # the swapped-operand dot form (LaunchConfig.swap_ab), same tile
+                y = stream_linear(x, w8, scale, config=dataclasses.replace(launch_config(m), swap_ab=True))
+                rows.append((f"fp8 weight-only, swap-AB {name}", f"M {m}, {k} -> {n}", *rel_err(y, x.double() @ w64.t())))
         del w64
         # the same kernel on a plain weight of the activation dtype, stored (N, K) (`layers.project`)
         w = torch.randn(n, k, device=dev, generator=gen).to(dtype)
@@ -331,10 +335,15 @@ FP8_SWEEP_CONFIGS = {
         for bn, bk in ((8, 512), (8, 1024), (16, 256), (16, 512), (16, 1024), (32, 128), (32, 256), (32, 512),
                        (64, 128)) for w in (4, 8)],
     8: [LaunchConfig(16, bn, bk, w, st) for bn, bk, w, st in ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3),
-                                                               (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3))],
+                                                               (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3))]
+    + [LaunchConfig(16, bn, bk, w, st, swap_ab=True) for bn, bk, w, st in (
+        (64, 128, 4, 4), (64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3))],
     32: [LaunchConfig(32, bn, bk, w, st) for bn, bk, w, st in ((32, 128, 4, 4), (64, 64, 4, 4), (64, 256, 4, 3),
-                                                                (128, 128, 4, 3), (128, 128, 8, 3))],
+                                                                (128, 128, 4, 3), (128, 128, 8, 3))]
+    + [LaunchConfig(32, bn, bk, w, st, swap_ab=True) for bn, bk, w, st in (
+        (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3))],
 }
+PREFILL_ROWS = 4623                    # one 24-image scene's prompt (docs/benchmarks.md)
 
 
 STREAMED_BYTES = 256 << 20             # weight copies cycled per timing: more than the L2 cache holds
@@ -355,7 +364,42 @@ def _bench_streamed_us(fn, weight: torch.Tensor, *rest: torch.Tensor) -> float:
                                              return_mode="median") * 1e3
 
 
-def sweep_fp8_linear(dev, gen) -> None:
+def sweep_fp8_prefill(dev, gen, rows: int = PREFILL_ROWS) -> None:
+    """Times the forms of an fp8 x fp8 product for a prompt's `rows` tokens at the 32B weight
+    shapes: bf16 F.linear; the activation quantisation alone (`quantize_rows`); `_scaled_mm` with
+    row-wise scales (what `scaled_mm_linear` runs after it) and with fast accumulation; with
+    one scale per tensor, with and without fast accumulation. TFLOP/s in brackets (GPU only)."""
+    print(f"\n| prefill product ({rows} rows) | bf16 F.linear us | quantize_rows us | _scaled_mm row-wise us "
+          "| row-wise, fast accum | per-tensor | per-tensor, fast accum |\n" + "|---" * 7 + "|")
+    for name, n, k in SHAPES["32b"]["linear"]:
+        w8, scale = quantize_weight(torch.randn(n, k, device=dev, generator=gen))
+        x = torch.randn(rows, k, device=dev, generator=gen).to(torch.bfloat16)
+        xq, x_scale = quantize_rows(x)
+        one = torch.ones((), device=dev)
+        flop = 2 * rows * n * k
+
+        def form(fn, *args) -> str:
+            try:
+                us = _bench_streamed_us(fn, *args)
+            except Exception as e:              # a form this torch / device does not offer
+                return type(e).__name__
+            return f"{us:.0f} ({flop / us / 1e6:.0f})"
+
+        def mm(w, a_scale, b_scale, fast):
+            return torch._scaled_mm(xq, w.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16,
+                                    use_fast_accum=fast)
+
+        w16 = w8.to(torch.bfloat16)
+        cells = [form(lambda w: torch.nn.functional.linear(x, w), w16),
+                 form(lambda w: quantize_rows(x), w8),
+                 form(lambda w: mm(w, x_scale, scale[None, :], False), w8),
+                 form(lambda w: mm(w, x_scale, scale[None, :], True), w8),
+                 form(lambda w: mm(w, one, one, False), w8),
+                 form(lambda w: mm(w, one, one, True), w8)]
+        print(f"| {name} ({n}x{k}) | " + " | ".join(cells) + " |", flush=True)
+
+
+def sweep_fp8_linear(dev, gen, only_rows: set[int] | None = None) -> None:
     """Times the weight-only fp8 product (the launch-config table's choice) against fp8 x fp8
     `_scaled_mm` and bf16 F.linear at the 32B weight shapes and several row counts, then the
     alternatives in FP8_SWEEP_CONFIGS (with the split rule and without splitting) on the text
@@ -370,7 +414,7 @@ def sweep_fp8_linear(dev, gen) -> None:
         w8, scale = quantize_weight(torch.randn(n, k, device=dev, generator=gen))
         w16 = torch.randn(n, k, device=dev, generator=gen).to(torch.bfloat16)
         weights[name] = (w8, scale)
-        for m in (1, 8, 32, 64, 128, 256):
+        for m in [m for m in (1, 8, 32, 64, 128, 256) if only_rows is None or m in only_rows]:
             x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
             ours = _bench_streamed_us(lambda w, s: stream_linear(x, w, s), w8, scale)
             scaled = _bench_streamed_us(lambda w, s: scaled_mm_linear(x, w, s), w8, scale)
@@ -382,7 +426,7 @@ def sweep_fp8_linear(dev, gen) -> None:
         torch.cuda.empty_cache()
     print("\n| fp8 weight-only config (block_m, block_n, block_k, warps, stages) | M | shape | us, split rule "
           "| us, no split | table's choice |\n|---|---|---|---|---|---|")
-    for m, configs in FP8_SWEEP_CONFIGS.items():
+    for m, configs in [(m, c) for m, c in FP8_SWEEP_CONFIGS.items() if only_rows is None or m in only_rows]:
         for name in ("qkv", "o", "gate/up", "down"):
             w8, scale = weights[name]
             x = torch.randn(m, w8.shape[1], device=dev, generator=gen).to(torch.bfloat16)
@@ -393,7 +437,8 @@ def sweep_fp8_linear(dev, gen) -> None:
                 except Exception as e:          # a config over the shared-memory or register limit
                     print(f"| {c} | {m} | {name} | {type(e).__name__} | - | |")
                     continue
-                print(f"| {c.block_m}, {c.block_n}, {c.block_k}, {c.warps}, {c.stages} | {m} | {name} "
+                print(f"| {c.block_m}, {c.block_n}, {c.block_k}, {c.warps}, {c.stages}{', swap-AB' if c.swap_ab else ''} "
+                      f"| {m} | {name} "
                       f"| {times[0]:.1f} | {times[1]:.1f} | {'yes' if c == launch_config(m) else ''} |", flush=True)
 
 
@@ -406,6 +451,11 @@ def main(argv: list[str] | None = None) -> int:
                          "and the fp8 weight-only product against _scaled_mm and bf16")
     ap.add_argument("--fp8-only", action="store_true",
                     help="only the fp8 weight-only product's checks (and, with --sweep, its timings)")
+    ap.add_argument("--rows", default=None, metavar="M,M",
+                    help="with --sweep: time the fp8 weight-only product at these row counts only (of 1,8,32,64,"
+                         "128,256), e.g. 8,32")
+    ap.add_argument("--prefill", action="store_true",
+                    help="with --sweep: also time the fp8 x fp8 prefill product's forms (PREFILL_ROWS rows)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if gpu else "cpu")
     SHAPES_ACTIVE.update(SHAPES[args.shape])
@@ -445,7 +495,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.fp8_only:
             sweep_expert_attention(dev, gen)
             sweep_weight_gemms(dev, gen)
-        sweep_fp8_linear(dev, gen)
+        sweep_fp8_linear(dev, gen, {int(m) for m in args.rows.split(",")} if args.rows else None)
+        if args.prefill:
+            sweep_fp8_prefill(dev, gen)
     print(f"{'FAILED' if failed else 'passed'}: {failed} check(s) out of bounds")
     return 1 if failed else 0
 
