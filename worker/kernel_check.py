@@ -14,6 +14,7 @@ this module before Triton is imported) on small shapes; that is what `make test`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 
@@ -397,6 +398,47 @@ def sweep_fp8_prefill(dev, gen, rows: int = PREFILL_ROWS) -> None:
                  form(lambda w: mm(w, one, one, False), w8),
                  form(lambda w: mm(w, one, one, True), w8)]
         print(f"| {name} ({n}x{k}) | " + " | ".join(cells) + " |", flush=True)
+    sweep_prefill_attention(dev, gen, rows)
+
+
+PREFILL_HEADS = (64, 8, 128)           # the 32B text layer's query heads, K/V heads, head size
+
+
+def sweep_prefill_attention(dev, gen, rows: int = PREFILL_ROWS) -> None:
+    """Times one layer's causal attention over a prompt of `rows` tokens (PREFILL_HEADS, bf16) as
+    `FusedStack.prefill_layer` calls it (torch SDPA, grouped-query heads), under each SDPA backend
+    alone, and with K/V expanded to every query head first (for backends without grouped-query
+    support); TFLOP/s of the causal half in brackets (GPU only)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    hq, hkv, d = PREFILL_HEADS
+    q = torch.randn(1, hq, rows, d, device=dev, generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(1, hkv, rows, d, device=dev, generator=gen).to(torch.bfloat16) for _ in range(2))
+    flop = 2 * 2 * hq * rows * rows * d / 2
+    print(f"\n| prefill attention ({rows} tokens, {hq}/{hkv} heads of {d}) | grouped-query us | K/V expanded first us |"
+          "\n|---|---|---|")
+
+    def timed(fn) -> str:
+        try:
+            fn()
+            us = _bench_streamed_us(lambda _: fn(), q)
+        except Exception as e:                  # a backend this torch / device / shape does not offer
+            return type(e).__name__
+        return f"{us:.0f} ({flop / us / 1e6:.0f})"
+
+    rep = hq // hkv
+    for name in ("default", "FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+        ctx = (lambda: contextlib.nullcontext()) if name == "default" else (lambda: sdpa_kernel(getattr(SDPBackend, name)))
+
+        def gqa():
+            with ctx():
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        def expanded():
+            with ctx():
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
+        print(f"| {name} | {timed(gqa)} | {timed(expanded)} |", flush=True)
 
 
 def sweep_fp8_linear(dev, gen, only_rows: set[int] | None = None) -> None:
@@ -455,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --sweep: time the fp8 weight-only product at these row counts only (of 1,8,32,64,"
                          "128,256), e.g. 8,32")
     ap.add_argument("--prefill", action="store_true",
-                    help="with --sweep: also time the fp8 x fp8 prefill product's forms (PREFILL_ROWS rows)")
+                    help="with --sweep: also time the prefill's product forms and attention backends (PREFILL_ROWS rows)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if gpu else "cpu")
     SHAPES_ACTIVE.update(SHAPES[args.shape])
