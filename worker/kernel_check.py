@@ -27,7 +27,7 @@ from worker.model.attention import attend_reference, cache_attention  # noqa: E4
 from worker.model.decoder import apply_rope, rms_norm, rope_cos_sin  # noqa: E402
 from worker.model.fp8 import (WEIGHT_ONLY_MAX_ROWS, quantize_model_fp8, quantize_rows,  # noqa: E402
                               quantize_rows_reference, quantize_weight, scaled_mm_linear)
-from worker.model.fused_ops import add_rms_norm, qk_norm_rope_write, reference_only, silu_mul  # noqa: E402
+from worker.model.fused_ops import add_rms_norm, qk_norm_rope_write, reference_only, silu_mul, vision_rope  # noqa: E402
 from worker.model.layers import GEMV_MAX_ROWS  # noqa: E402
 from worker.model.stream_gemm import LaunchConfig, launch_config, stream_linear  # noqa: E402
 
@@ -116,6 +116,18 @@ def check_fused_ops(shape: dict, dtype, dev, gen) -> list[tuple[str, float, floa
     rows.append(("qk_norm_rope_write k in cache", *rel_err(kc[:b].gather(2, idx), ref_k)))
     rows.append(("qk_norm_rope_write v in cache",
                  *rel_err(vc[:b].gather(2, idx), rv.view(b, t, hkv, d).transpose(1, 2))))
+    # the vision tower's rotary (the 32B tower's 16 heads of 72) against transformers' own
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision
+
+    n, vh, vd = 37, 16, 72
+    qkv = torch.randn(n, 3 * vh * vd, device=dev, generator=gen).to(dtype)
+    angles = torch.rand(n, vd // 2, device=dev, generator=gen) * 40
+    vcos, vsin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    vq, vk = vision_rope(qkv, vh, vcos, vsin)
+    rq, rk, _ = qkv.view(n, 3, vh, vd).unbind(1)
+    ref_q, ref_k = apply_rotary_pos_emb_vision(rq, rk, vcos, vsin)
+    rows.append(("vision_rope q", *rel_err(vq, ref_q)))
+    rows.append(("vision_rope k", *rel_err(vk, ref_k)))
     return rows
 
 

@@ -11,6 +11,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from worker.model.fused_ops import available, vision_rope
+
 
 def _equal_length(memo: list, cu_seqlens: torch.Tensor) -> int | None:
     """The images' common length (None if they differ), read from the device once per tower
@@ -32,9 +34,14 @@ def _vision_attention_batched(self, hidden_states, cu_seqlens, position_embeddin
     if ln is None:
         return type(self).forward(self, hidden_states, cu_seqlens, position_embeddings=position_embeddings,
                                   **kwargs)
-    q, k, v = self.qkv(hidden_states).reshape(n, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+    qkv = self.qkv(hidden_states)
     cos, sin = position_embeddings
-    q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
+    if available(qkv):                  # the rotary in one pass (GPU; Triton's interpreter in tests)
+        q, k = vision_rope(qkv, self.num_heads, cos, sin)
+        v = qkv.view(n, 3, self.num_heads, -1)[:, 2]
+    else:
+        q, k, v = qkv.reshape(n, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
     q, k, v = (x.reshape(-1, ln, self.num_heads, x.shape[-1]).transpose(1, 2) for x in (q, k, v))
     o = F.scaled_dot_product_attention(q, k, v, scale=self.scaling)
     return self.proj(o.transpose(1, 2).reshape(n, -1))

@@ -158,6 +158,29 @@ if triton is not None:
         act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
         tl.store(Y + row * sy_row + cols, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
 
+    @triton.jit
+    def _vision_rope_kernel(QKV, Q, K, COS, SIN, s_row, s_cs, H: tl.constexpr, D: tl.constexpr,
+                            NH: tl.constexpr, BD: tl.constexpr, GDC: tl.constexpr):
+        gdc_enter(GDC)
+        row = tl.program_id(0)
+        h = tl.arange(0, NH)[:, None]
+        d = tl.arange(0, BD)[None, :]
+        ok = (h < H) & (d < D)
+        half: tl.constexpr = D // 2
+        rot = tl.where(d < half, d + half, d - half)               # rotate_half's source column
+        sign = tl.where(d < half, -1.0, 1.0)
+        cos = tl.load(COS + row * s_cs + d, mask=d < D, other=0.0).to(tl.float32)
+        sin = tl.load(SIN + row * s_cs + d, mask=d < D, other=0.0).to(tl.float32)
+        for part in tl.static_range(2):                             # q, then k
+            src = QKV + row * s_row + part * H * D + h * D
+            x = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)
+            xr = tl.load(src + rot, mask=ok, other=0.0).to(tl.float32) * sign
+            y = x * cos + xr * sin
+            if part == 0:
+                tl.store(Q + row * H * D + h * D + d, y.to(Q.dtype.element_ty), mask=ok)
+            else:
+                tl.store(K + row * H * D + h * D + d, y.to(K.dtype.element_ty), mask=ok)
+
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
@@ -215,3 +238,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, y, x2.stride(0), y.stride(0), n, BLOCK=block,
                                                            num_warps=4, **launch_args(x2))
     return y.view(*gate_up.shape[:-1], n)
+
+
+def vision_rope(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The vision tower's rotary in one pass: qkv (n, 3 H D), the output of a vision block's qkv
+    product; cos, sin (n, D) -> q, k (n, H, D) in qkv's dtype, each x * cos + rotate_half(x) * sin
+    in fp32 (transformers' `apply_rotary_pos_emb_vision`, which makes ~10 fp32 passes of each)."""
+    n = qkv.shape[0]
+    d = qkv.shape[1] // (3 * heads)
+    rows = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    q = torch.empty(n, heads, d, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty_like(q)
+    _vision_rope_kernel[(n,)](rows, q, k, cos, sin, rows.stride(0), cos.stride(0), H=heads, D=d,
+                              NH=triton.next_power_of_2(heads), BD=triton.next_power_of_2(d),
+                              num_warps=4, **launch_args(rows))
+    return q, k
