@@ -355,9 +355,11 @@ def demo_acceptance(t: Table, checkpoint: str, head: str, dev, n: int = 16) -> N
         t.add("demo", f"{name} scene latency (K=1)", f"{ms:.1f} ms (reasoning {dec:.1f} ms)")
 
 
-def profile_steps(rt, context: int, out_dir: str | None, new: int = 64) -> None:
-    """Kernel time tables (torch.profiler over CUDA graph replays) of the decode step (batch 1),
-    the verify step and draft pass (batch 32) and the expert loop (8 rows)."""
+def profile_steps(rt, context: int, out_dir: str | None, new: int = 64, label: str = "bf16",
+                  shapes: tuple[tuple[int, int], ...] = ((1, 1), (32, 8))) -> None:
+    """Kernel time tables (torch.profiler over CUDA graph replays) of the model step at each
+    (rows, tokens) of `shapes` (default: the decode step at batch 1, the verify step at batch 32),
+    and with 32 rows the draft pass and the expert loop (8 rows). `label` names the precision."""
     from torch.profiler import ProfilerActivity, profile
 
     from worker.dflash.loop import DFlash2Speculator
@@ -366,14 +368,14 @@ def profile_steps(rt, context: int, out_dir: str | None, new: int = 64) -> None:
 
     dev = rt.device
     spec = DFlash2Speculator(random_draft(rt), rt.model)
-    cases = []
-    for b, t_ in ((1, 1), (32, 8)):
+    for b, t_ in shapes:
+        cases = []
         cap = context + new + 16
         cache = random_prompt_cache(rt, b, context, cap)
         start = torch.full((b,), context, dtype=torch.long, device=dev)
         delta = torch.zeros(b, dtype=torch.long, device=dev)
         ids = torch.randint(100, 300, (b, t_), device=dev)
-        cases.append((f"step rows={b} T={t_}", lambda ids=ids, start=start, delta=delta, cache=cache:
+        cases.append((f"{label} step rows={b} T={t_}", lambda ids=ids, start=start, delta=delta, cache=cache:
                       rt.decoder.step(ids, start, delta, cache, context + t_)))
         if b == 32:
             spec.begin(b, cap, persistent=True, graphs=rt.graphs)
@@ -381,12 +383,12 @@ def profile_steps(rt, context: int, out_dir: str | None, new: int = 64) -> None:
                                     top_p=torch.ones(b, device=dev), top_k=torch.zeros(b, dtype=torch.long, device=dev))
             probe = start_batch(cache, start, torch.randn(b, rt.model.lm_head.out_features, device=dev), delta,
                                 params, rt._banned_text, torch.tensor([-1], device=dev), torch.full((b,), new, device=dev))
-            cases.append(("draft pass rows=32", lambda probe=probe: spec.proposer.propose(probe)))
+            cases.append((f"{label} draft pass rows=32", lambda probe=probe: spec.proposer.propose(probe)))
             offset = start.clone()
             keys = torch.arange(8, device=dev)
-            cases.append(("expert loop rows=8", lambda cache=cache, offset=offset[:8], keys=keys:
+            cases.append((f"{label} expert loop rows=8", lambda cache=cache, offset=offset[:8], keys=keys:
                           rt.expert.sample(cache, offset, delta[:8], keys, 10, graphs=rt.graphs)))
-        for name, fn in cases[-3 if b == 32 else -1:]:
+        for name, fn in cases:
             fn()
             fn()
             _sync()
@@ -498,7 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=1, help="--throughput: timed runs per batch (median)")
     ap.add_argument("--quick", action="store_true", help="--throughput: batches 1,16; K=3 at batch 1 only")
     ap.add_argument("--profile", default=None, metavar="DIR",
-                    help="only profile the decode/verify/draft/expert kernels; write DIR/profile.txt")
+                    help="only profile the decode/verify/draft/expert kernels, bf16, then the decode and verify "
+                         "steps at batch 1 in fp8; write DIR/profile.txt")
     ap.add_argument("--profile-prefill", default=None, metavar="DIR",
                     help="only profile one 24-image scene's prefill, bf16 then fp8; write DIR/prefill.txt")
     ap.add_argument("--profile-demo", default=None, metavar="DIR",
@@ -548,7 +551,13 @@ def main(argv: list[str] | None = None) -> int:
           + (f" -> floor {floor_s * 1e3:.2f} ms/step" if floor_s == floor_s else ""))
     condition_successors(model, ~rt._banned_text)
     if args.profile:
-        profile_steps(rt, context, args.profile)
+        profile_steps(rt, context, args.profile, label=str(dtype)[6:])
+        from worker.model.fp8 import quantize_model_fp8
+
+        rt.graphs.clear()                  # the same steps with the decoder stacks in fp8
+        quantize_model_fp8(model)
+        rt.decoder.fuse()
+        profile_steps(rt, context, args.profile, label="fp8", shapes=((1, 1), (1, 8)))
         return 0
     if args.expert_only:
         expert_loop(t, rt, 8, context)
