@@ -355,53 +355,14 @@ def demo_acceptance(t: Table, checkpoint: str, head: str, dev, n: int = 16) -> N
         t.add("demo", f"{name} scene latency (K=1)", f"{ms:.1f} ms (reasoning {dec:.1f} ms)")
 
 
-def profile_steps(rt, context: int, out_dir: str | None, new: int = 64, label: str = "bf16",
-                  shapes: tuple[tuple[int, int], ...] = ((1, 1), (32, 8))) -> None:
-    """Kernel time tables (torch.profiler over CUDA graph replays) of the model step at each
-    (rows, tokens) of `shapes` (default: the decode step at batch 1, the verify step at batch 32),
-    and with 32 rows the draft pass and the expert loop (8 rows). `label` names the precision."""
-    from torch.profiler import ProfilerActivity, profile
+def to_fp8(rt, model) -> None:
+    """The decoder stacks quantised to fp8 in place; the captured graphs dropped and the fused
+    products built again."""
+    from worker.model.fp8 import quantize_model_fp8
 
-    from worker.dflash.loop import DFlash2Speculator
-    from worker.model.generate import start_batch
-    from worker.model.sampling import SamplingParams
-
-    dev = rt.device
-    spec = DFlash2Speculator(random_draft(rt), rt.model)
-    for b, t_ in shapes:
-        cases = []
-        cap = context + new + 16
-        cache = random_prompt_cache(rt, b, context, cap)
-        start = torch.full((b,), context, dtype=torch.long, device=dev)
-        delta = torch.zeros(b, dtype=torch.long, device=dev)
-        ids = torch.randint(100, 300, (b, t_), device=dev)
-        cases.append((f"{label} step rows={b} T={t_}", lambda ids=ids, start=start, delta=delta, cache=cache:
-                      rt.decoder.step(ids, start, delta, cache, context + t_)))
-        if b == 32:
-            spec.begin(b, cap, persistent=True, graphs=rt.graphs)
-            params = SamplingParams(key=torch.arange(b, device=dev), temperature=torch.zeros(b, device=dev),
-                                    top_p=torch.ones(b, device=dev), top_k=torch.zeros(b, dtype=torch.long, device=dev))
-            probe = start_batch(cache, start, torch.randn(b, rt.model.lm_head.out_features, device=dev), delta,
-                                params, rt._banned_text, torch.tensor([-1], device=dev), torch.full((b,), new, device=dev))
-            cases.append((f"{label} draft pass rows=32", lambda probe=probe: spec.proposer.propose(probe)))
-            offset = start.clone()
-            keys = torch.arange(8, device=dev)
-            cases.append((f"{label} expert loop rows=8", lambda cache=cache, offset=offset[:8], keys=keys:
-                          rt.expert.sample(cache, offset, delta[:8], keys, 10, graphs=rt.graphs)))
-        for name, fn in cases:
-            fn()
-            fn()
-            _sync()
-            with profile(activities=[ProfilerActivity.CUDA if dev.type == "cuda" else ProfilerActivity.CPU]) as prof:
-                for _ in range(3):
-                    fn()
-                _sync()
-            table = prof.key_averages().table(sort_by="cuda_time_total" if dev.type == "cuda" else "cpu_time_total", row_limit=18, max_name_column_width=70)
-            print(f"\n## profile: {name} (3 replays)\n{table}", flush=True)
-            if out_dir:
-                Path(out_dir).mkdir(parents=True, exist_ok=True)
-                with open(Path(out_dir) / "profile.txt", "a") as f:
-                    f.write(f"\n## profile: {name} (3 replays)\n{table}\n")
+    rt.graphs.clear()
+    quantize_model_fp8(model)
+    rt.decoder.fuse()
 
 
 def decode_path_targets(steps: dict, lp: dict, hf: dict, expert_s: float, floor_s: float, wb: int, bw: float,
@@ -551,12 +512,10 @@ def main(argv: list[str] | None = None) -> int:
           + (f" -> floor {floor_s * 1e3:.2f} ms/step" if floor_s == floor_s else ""))
     condition_successors(model, ~rt._banned_text)
     if args.profile:
-        profile_steps(rt, context, args.profile, label=str(dtype)[6:])
-        from worker.model.fp8 import quantize_model_fp8
+        from worker.bench_throughput import profile_steps
 
-        rt.graphs.clear()                  # the same steps with the decoder stacks in fp8
-        quantize_model_fp8(model)
-        rt.decoder.fuse()
+        profile_steps(rt, context, args.profile, label=str(dtype)[6:])
+        to_fp8(rt, model)
         profile_steps(rt, context, args.profile, label="fp8", shapes=((1, 1), (1, 8)))
         return 0
     if args.expert_only:
@@ -578,12 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + targets, flush=True)
     if not args.skip_e2e:
         end_to_end(t, rt, (1080, 1920) if args.shape == "32b" else (64, 64), 64 if gpu else 8)
-    # fp8: quantise the decoder stacks in place, re-capture, decode step
-    from worker.model.fp8 import quantize_model_fp8
-
-    rt.graphs.clear()
-    quantize_model_fp8(model)
-    rt.decoder.fuse()
+    to_fp8(rt, model)
     if gpu:
         torch.cuda.empty_cache()
     s8 = engine_steps(t, rt, floor_s, [1], context, "fp8")

@@ -26,13 +26,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from worker.bench import Table, _sync, build_model, condition_successors, hf_generate, make_runtime, random_draft, timeit
+from worker.bench import (Table, _sync, build_model, condition_successors, hf_generate, make_runtime, random_draft,
+                          random_prompt_cache, timeit, to_fp8)
 from worker.dflash.loop import DFlash2Speculator
 from worker.dflash.metrics import SpecStats, speculative_block
 from worker.dflash.oracle import OracleProposer, error_rate_for_tau, reference_rows
 from worker.model import memory_plan
 from worker.model.fast_vision import fast_vision_paths
-from worker.model.fp8 import quantize_model_fp8
 from worker.model.runtime import SceneRequest
 
 TAU = 4.0
@@ -241,9 +241,7 @@ def throughput(t: Table, shape: str, batches: list[int], k3: list[int], profiles
     rt.enable_graphs(max_rows=max_rows, capacity=capacity)
     for profile in profiles:
         if profile == "fp8":
-            rt.graphs.clear()
-            quantize_model_fp8(model)
-            rt.decoder.fuse()
+            to_fp8(rt, model)
             if gpu:
                 torch.cuda.empty_cache()
         t0 = time.perf_counter()
@@ -402,8 +400,7 @@ def profile_prefill(image_hw: tuple[int, int] | None = None, shape: str = "32b",
 
         for precision in ("bf16", "fp8"):
             if precision == "fp8":
-                quantize_model_fp8(model)
-                rt.decoder.fuse()
+                to_fp8(rt, model)
             for _ in range(2):
                 rt._prefill(p, ())
             full = wall(lambda: rt._prefill(p, ()))
@@ -468,3 +465,51 @@ def profile_demo(checkpoint: str, head: str, out_dir: str | None = None, n: int 
         lines += tables
     return _report(lines, out_dir, "demo.txt")
 
+
+def profile_steps(rt, context: int, out_dir: str | None, new: int = 64, label: str = "bf16",
+                  shapes: tuple[tuple[int, int], ...] = ((1, 1), (32, 8))) -> None:
+    """Kernel time tables (torch.profiler over CUDA graph replays) of the model step at each
+    (rows, tokens) of `shapes` (default: the decode step at batch 1, the verify step at batch 32),
+    and with 32 rows the draft pass and the expert loop (8 rows). `label` names the precision."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from worker.dflash.loop import DFlash2Speculator
+    from worker.model.generate import start_batch
+    from worker.model.sampling import SamplingParams
+
+    dev = rt.device
+    spec = DFlash2Speculator(random_draft(rt), rt.model)
+    for b, t_ in shapes:
+        cases = []
+        cap = context + new + 16
+        cache = random_prompt_cache(rt, b, context, cap)
+        start = torch.full((b,), context, dtype=torch.long, device=dev)
+        delta = torch.zeros(b, dtype=torch.long, device=dev)
+        ids = torch.randint(100, 300, (b, t_), device=dev)
+        cases.append((f"{label} step rows={b} T={t_}", lambda ids=ids, start=start, delta=delta, cache=cache:
+                      rt.decoder.step(ids, start, delta, cache, context + t_)))
+        if b == 32:
+            spec.begin(b, cap, persistent=True, graphs=rt.graphs)
+            params = SamplingParams(key=torch.arange(b, device=dev), temperature=torch.zeros(b, device=dev),
+                                    top_p=torch.ones(b, device=dev), top_k=torch.zeros(b, dtype=torch.long, device=dev))
+            probe = start_batch(cache, start, torch.randn(b, rt.model.lm_head.out_features, device=dev), delta,
+                                params, rt._banned_text, torch.tensor([-1], device=dev), torch.full((b,), new, device=dev))
+            cases.append((f"{label} draft pass rows=32", lambda probe=probe: spec.proposer.propose(probe)))
+            offset = start.clone()
+            keys = torch.arange(8, device=dev)
+            cases.append((f"{label} expert loop rows=8", lambda cache=cache, offset=offset[:8], keys=keys:
+                          rt.expert.sample(cache, offset, delta[:8], keys, 10, graphs=rt.graphs)))
+        for name, fn in cases:
+            fn()
+            fn()
+            _sync()
+            with profile(activities=[ProfilerActivity.CUDA if dev.type == "cuda" else ProfilerActivity.CPU]) as prof:
+                for _ in range(3):
+                    fn()
+                _sync()
+            table = prof.key_averages().table(sort_by="cuda_time_total" if dev.type == "cuda" else "cpu_time_total", row_limit=18, max_name_column_width=70)
+            print(f"\n## profile: {name} (3 replays)\n{table}", flush=True)
+            if out_dir:
+                Path(out_dir).mkdir(parents=True, exist_ok=True)
+                with open(Path(out_dir) / "profile.txt", "a") as f:
+                    f.write(f"\n## profile: {name} (3 replays)\n{table}\n")
