@@ -76,6 +76,11 @@ def scenes(n: int, k: int, image_hw: tuple[int, int], tag: str, cameras: tuple[i
                          temperature=0.6 if k > 1 else 0.0, seed=i) for i in range(n)]
 
 
+def loop_steps(costs) -> str:
+    """"0 drafts 10.31 ms, 3 drafts 16.31 ms, ...": a row bucket's whole loop steps (StepCosts.loop)."""
+    return ", ".join(f"{n} drafts {s * 1e3:.2f} ms" for n, s in costs.loop.items())
+
+
 def timed_run(rt, reqs: list[SceneRequest], reps: int) -> tuple[Measured, list]:
     walls, last = [], None
     for _ in range(reps):
@@ -253,8 +258,7 @@ def throughput(t: Table, shape: str, batches: list[int], k3: list[int], profiles
         res[("decode step", profile)] = c1.decode
         t.add("thru", f"{profile}: warm-up calibration ({len(spec.policy.costs)} row buckets)",
               f"{time.perf_counter() - t0:.1f} s; batch 1: decode {c1.decode * 1e3:.2f} ms, verify(8) "
-              f"{c1.verify[8] * 1e3:.2f} ms, draft {c1.draft * 1e3:.2f} ms; whole loop steps "
-              + ", ".join(f"{n} drafts {s * 1e3:.2f} ms" for n, s in c1.loop.items()))
+              f"{c1.verify[8] * 1e3:.2f} ms, draft {c1.draft * 1e3:.2f} ms; whole loop steps {loop_steps(c1)}")
         rt.speculator = None
         rt.run(scenes(1, 1, image_hw, f"first-{profile}"))       # first full-size prefill (library warm-up)
         for k in (1, 3):
@@ -294,8 +298,7 @@ def demo_speed(t: Table, checkpoint: str, head: str, n: int = 16) -> list[str]:
     for b in (n, 3 * n):
         c = spec.speculator.policy.costs_for(b)
         t.add("demo", f"demo checkpoint: whole loop step at {b} rows (warm-up calibration)",
-              ", ".join(f"{d} drafts {s * 1e3:.2f} ms" for d, s in c.loop.items())
-              + f" (forwards: decode {c.decode * 1e3:.2f}, verify(8) {c.verify[8] * 1e3:.2f}, draft {c.draft * 1e3:.2f} ms)")
+              loop_steps(c) + f" (forwards: decode {c.decode * 1e3:.2f}, verify(8) {c.verify[8] * 1e3:.2f}, draft {c.draft * 1e3:.2f} ms)")
     for k, temperature in ((1, 0.0), (3, 0.6)):
         reqs = demo_requests(range(92_000_000, 92_000_000 + n), k=k, temperature=temperature)
         for rt in (base, spec):

@@ -410,20 +410,16 @@ def sweep_fp8_prefill(dev, gen, rows: int = PREFILL_ROWS) -> None:
                  form(lambda w: mm(w, one, one, False), w8),
                  form(lambda w: mm(w, one, one, True), w8)]
         print(f"| {name} ({n}x{k}) | " + " | ".join(cells) + " |", flush=True)
-    sweep_prefill_attention(dev, gen, rows)
-
-
-PREFILL_HEADS = (64, 8, 128)           # the 32B text layer's query heads, K/V heads, head size
 
 
 def sweep_prefill_attention(dev, gen, rows: int = PREFILL_ROWS) -> None:
-    """Times one layer's causal attention over a prompt of `rows` tokens (PREFILL_HEADS, bf16) as
+    """Times one layer's causal attention over a prompt of `rows` tokens (the 32B heads, bf16) as
     `FusedStack.prefill_layer` calls it (torch SDPA, grouped-query heads), under each SDPA backend
     alone, and with K/V expanded to every query head first (for backends without grouped-query
     support); TFLOP/s of the causal half in brackets (GPU only)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    hq, hkv, d = PREFILL_HEADS
+    hq, hkv, d = SHAPES["32b"]["decode"][0][2:5]
     q = torch.randn(1, hq, rows, d, device=dev, generator=gen).to(torch.bfloat16)
     k, v = (torch.randn(1, hkv, rows, d, device=dev, generator=gen).to(torch.bfloat16) for _ in range(2))
     flop = 2 * 2 * hq * rows * rows * d / 2
@@ -552,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep_fp8_linear(dev, gen, {int(m) for m in args.rows.split(",")} if args.rows else None)
         if args.prefill:
             sweep_fp8_prefill(dev, gen)
+            sweep_prefill_attention(dev, gen)
     print(f"{'FAILED' if failed else 'passed'}: {failed} check(s) out of bounds")
     return 1 if failed else 0
 

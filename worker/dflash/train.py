@@ -155,8 +155,7 @@ def _batch_loss(draft: DraftModel, embed, lm_head, seqs: list[Sequence], anchors
 def train_head(rt, train_requests, head_cfg: HeadConfig, steps: int = 400, lr: float = 5e-3, seed: int = 0,
                batch: int = 4, anchors_per_seq: int = 8, time_budget_s: float | None = None,
                progress: bool = False) -> tuple[DraftModel, dict]:
-    """Distil a head for the runtime's base model: `steps` steps, one-cycle to `lr`. Returns
-    (draft, provenance)."""
+    """Distil a head for the runtime's base model. Returns (draft, provenance)."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
@@ -167,34 +166,26 @@ def train_head(rt, train_requests, head_cfg: HeadConfig, steps: int = 400, lr: f
     draft.to(rt.device)
     embed = rt.model.language_model.embed_tokens
     lm_head = rt.model.lm_head
-
-    deadline = None if time_budget_s is None else t0 + time_budget_s        # data collection included
-
-    def run(params, n: int, opt, sched, label: str) -> tuple[int, torch.Tensor]:
-        loss = torch.zeros(())
-        for step in range(n):
-            idx = rng.choice(len(seqs), size=min(batch, len(seqs)), replace=False)
-            with reference_only():         # the fused GPU kernels have no backward
-                loss = _batch_loss(draft, embed, lm_head, [seqs[i] for i in idx], anchors_per_seq, rng)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            if sched is not None:
-                sched.step()
-            if progress and step % 25 == 0:
-                print(f"  {label} step {step:4d}  loss {loss.item():.3f}", flush=True)
-            if deadline is not None and time.perf_counter() > deadline:
-                return step + 1, loss
-        return n, loss
-
-    params = list(draft.parameters())
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
-    done, loss = run(params, steps, opt, sched, "head")
-    prov = {"method": "self-distillation", "sequences": len(seqs), "steps": done}
-    prov.update({"final_loss": float(loss.detach()), "seed": seed, "data_seconds": round(t_data, 1),
-                 "train_seconds": round(time.perf_counter() - t0 - t_data, 1)})
+    done = 0
+    loss = torch.zeros(())
+    for step in range(steps):
+        idx = rng.choice(len(seqs), size=min(batch, len(seqs)), replace=False)
+        with reference_only():         # the fused GPU kernels have no backward
+            loss = _batch_loss(draft, embed, lm_head, [seqs[i] for i in idx], anchors_per_seq, rng)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        done = step + 1
+        if progress and step % 25 == 0:
+            print(f"  head step {step:4d}  loss {loss.item():.3f}", flush=True)
+        if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
+            break
+    prov = {"method": "self-distillation", "sequences": len(seqs), "steps": done, "final_loss": float(loss.detach()),
+            "seed": seed, "data_seconds": round(t_data, 1), "train_seconds": round(time.perf_counter() - t0 - t_data, 1)}
     return draft.cpu().eval().requires_grad_(False), prov
 
 
