@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import os
 
 import torch
@@ -160,9 +159,6 @@ def check_stream_linear(shape: dict, dtype, dev, gen) -> list[tuple[str, str, fl
             same = torch.equal(out, _replayed(lambda o: stream_linear(x, w8, scale, out=o), out))
             err = rel_err(out, x.double() @ w64.t()) if same else (float("nan"), float("nan"))
             rows.append((f"fp8 weight-only {name}", f"M {m}, {k} -> {n}", *err))
-            if m > 1:                # the swapped-operand dot form (LaunchConfig.swap_ab), same tile
-                y = stream_linear(x, w8, scale, config=dataclasses.replace(launch_config(m), swap_ab=True))
-                rows.append((f"fp8 weight-only, swap-AB {name}", f"M {m}, {k} -> {n}", *rel_err(y, x.double() @ w64.t())))
         del w64
         # the same kernel on a plain weight of the activation dtype, stored (N, K) (`layers.project`)
         w = torch.randn(n, k, device=dev, generator=gen).to(dtype)
@@ -348,13 +344,9 @@ FP8_SWEEP_CONFIGS = {
         for bn, bk in ((8, 512), (8, 1024), (16, 256), (16, 512), (16, 1024), (32, 128), (32, 256), (32, 512),
                        (64, 128)) for w in (4, 8)],
     8: [LaunchConfig(16, bn, bk, w, st) for bn, bk, w, st in ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3),
-                                                               (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3))]
-    + [LaunchConfig(16, bn, bk, w, st, swap_ab=True) for bn, bk, w, st in (
-        (64, 128, 4, 4), (64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3))],
+                                                               (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3))],
     32: [LaunchConfig(32, bn, bk, w, st) for bn, bk, w, st in ((32, 128, 4, 4), (64, 64, 4, 4), (64, 256, 4, 3),
-                                                                (128, 128, 4, 3), (128, 128, 8, 3))]
-    + [LaunchConfig(32, bn, bk, w, st, swap_ab=True) for bn, bk, w, st in (
-        (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3))],
+                                                                (128, 128, 4, 3), (128, 128, 8, 3))],
 }
 PREFILL_ROWS = 4623                    # one 24-image scene's prompt (docs/benchmarks.md)
 
@@ -487,8 +479,7 @@ def sweep_fp8_linear(dev, gen, only_rows: set[int] | None = None) -> None:
                 except Exception as e:          # a config over the shared-memory or register limit
                     print(f"| {c} | {m} | {name} | {type(e).__name__} | - | |")
                     continue
-                print(f"| {c.block_m}, {c.block_n}, {c.block_k}, {c.warps}, {c.stages}{', swap-AB' if c.swap_ab else ''} "
-                      f"| {m} | {name} "
+                print(f"| {c.block_m}, {c.block_n}, {c.block_k}, {c.warps}, {c.stages} | {m} | {name} "
                       f"| {times[0]:.1f} | {times[1]:.1f} | {'yes' if c == launch_config(m) else ''} |", flush=True)
 
 

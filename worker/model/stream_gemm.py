@@ -13,11 +13,7 @@ Two forms, chosen per number of rows by `LAUNCH_CONFIGS`:
         16-byte loads along K and sums its products with the row's x into BLOCK_N fp32 sums
         (no tensor cores: a matrix-vector product has nothing for them to do; summing every step
         keeps registers low, so more programs, and more loads, are in flight per multiprocessor)
-  dot   a (BLOCK_M, BLOCK_N) tile per program through tensor cores (tl.dot, BLOCK_M >= 16);
-        `swap_ab` computes the transposed tile W x^T instead, the widened weight as the left
-        operand (on Hopper the one a wgmma may take from registers, where the right one must be
-        staged in shared memory) and the few rows as the narrow side (the small-batch GEMMs'
-        swap-AB trick)
+  dot   a (BLOCK_M, BLOCK_N) tile per program through tensor cores (tl.dot, BLOCK_M >= 16)
 Both split K across programs when the output tiles alone would leave multiprocessors idle
 (`split_count`): each split writes an fp32 partial and a second kernel sums the splits in a
 fixed order (no atomics), so a second launch gives the same bits. Launch shapes depend only on
@@ -59,7 +55,6 @@ class LaunchConfig:
     block_k: int
     warps: int
     stages: int
-    swap_ab: bool = False              # dot form: the (BLOCK_N, BLOCK_M) tile W x^T (module docstring)
 
 
 # (most rows, config): the first entry whose row count covers M; the last covers any larger M.
@@ -135,7 +130,7 @@ if triton is not None:
     def _stream_kernel(X, W, SCALE, BIAS, Y, PART, M, N, K, sx_m, sw_n, sw_k, sy_m, k_per_split,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   DOT_FP32: tl.constexpr, SWAP_AB: tl.constexpr, GDC: tl.constexpr):
+                   DOT_FP32: tl.constexpr, GDC: tl.constexpr):
         gdc_enter(GDC)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -146,10 +141,7 @@ if triton is not None:
         n_ok = offs_n < N
         k_start = pid_k * k_per_split
         k_stop = tl.minimum(k_start + k_per_split, K)
-        if SWAP_AB:
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_start, k_stop, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
@@ -163,16 +155,10 @@ if triton is not None:
                             other=0.0)
             if BLOCK_M == 1:                                    # gemv: x (1, BLOCK_K) against each row of W
                 acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
-            elif SWAP_AB and DOT_FP32:
-                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc)
-            elif SWAP_AB:
-                acc = tl.dot(w.to(x.dtype), tl.trans(x), acc)
             elif DOT_FP32:
                 acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc)
             else:
                 acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-        if SWAP_AB:
-            acc = tl.trans(acc)
         mask = m_ok[:, None] & n_ok[None, :]
         if SPLIT == 1:
             y = acc
@@ -233,7 +219,6 @@ def stream_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
                      y.stride(0), k_per_split, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                      BLOCK_K=config.block_k, SPLIT=splits, EVEN_K=k % config.block_k == 0,
                      HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, DOT_FP32=_INTERPRETED,
-                     SWAP_AB=config.swap_ab and config.block_m > 1,
                      num_warps=config.warps, num_stages=config.stages, **launch_args(x2))
     if splits > 1:
         _sum_splits_kernel[(rows, triton.cdiv(n, REDUCE_BLOCK))](
