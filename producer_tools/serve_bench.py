@@ -42,15 +42,14 @@ KAFKA_OVER_ENGINE = 0.95        # the bar: Kafka-path scenes/s over the engine a
 SCENE_SEED = 7_500_000
 
 
-def build_requests(run_id: str, n: int, distinct: int, image_hw: tuple[int, int], k: int,
-                   max_tokens: int | None) -> list[S.InferRequest]:
+def build_requests(run_id: str, n: int, distinct: int, image_hw: tuple[int, int], k: int) -> list[S.InferRequest]:
     """n trajectory requests over `distinct` synthetic scenes (JPEG frames of image_hw), ids unique."""
     _, items = iter_synthetic(min(n, distinct), seed=SCENE_SEED, image_size=image_hw, image_format="jpeg")
     items = list(items)
     out = []
     for i in range(n):
         req = run_request(items[i % len(items)], "trajectory", k, run_id, temperature=0.6 if k > 1 else 0.0,
-                          seed=i, max_tokens=max_tokens)
+                          seed=i)
         out.append(msgspec.structs.replace(req, request_id=f"{req.request_id}:{i}"))
     return out
 
@@ -91,7 +90,8 @@ def engine_split(engine: dict[str, float], wall_s: float, alone_infer_s: float, 
     n = max(engine["batches"], 1.0)
     busy = (engine["infer"] + engine["output"]) / max(wall_s, 1e-9)
     text = (f"infer {engine['infer'] / n:.2f} + output {engine['output'] / n:.2f} s per batch, busy {busy:.0%} "
-            f"of the run; alone: infer {alone_infer_s / max(alone_batches, 1):.2f} s per batch")
+            f"of the run (host work of the next batch, prepared meanwhile: {engine.get('prepare', 0.0) / n:.2f} s "
+            f"per batch); alone: infer {alone_infer_s / max(alone_batches, 1):.2f} s per batch")
     if untimed:
         text += f"; infer outside the timed stages {untimed[0]:.2f} / {untimed[1]:.2f} s per batch"
     return text
@@ -170,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=1)
     ap.add_argument("--distinct", type=int, default=4, help="distinct synthetic scenes the requests cycle through")
     ap.add_argument("--image-size", default="1080x1920", help="HxW of every frame")
-    ap.add_argument("--max-tokens", type=int, default=None, help="reasoning tokens per request (default: the model's)")
+    ap.add_argument("--reasoning-tokens", type=int, default=None,
+                    help="reasoning-token cap of the worker and the engine alone (ALPAMAYO_MAX_REASONING_TOKENS; "
+                         "default: the release's 256)")
     ap.add_argument("--partitions", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--out", default="serve-bench-out")
@@ -189,12 +191,14 @@ def main(argv: list[str] | None = None) -> int:
                              result_topic=f"{run_id}.results", dead_letter_topic=f"{run_id}.dead-letters")
         asyncio.run(create_topics(opts, plan_topics(opts, partitions=args.partitions, max_message_bytes=64 << 20)))
         print(f"== 2. {args.scenes} requests, K={args.k}, {args.distinct} distinct scenes of {h}x{w}", flush=True)
-        reqs = build_requests(run_id, args.scenes, args.distinct, (h, w), args.k, args.max_tokens)
+        reqs = build_requests(run_id, args.scenes, args.distinct, (h, w), args.k)
         env = {"NIM_ALPAMAYO_TRAJ_SAMPLES": str(args.k), "ALPAMAYO_MAX_BATCH_SIZE": str(args.batch),
                "ALPAMAYO_MAX_BATCH_WAIT_MS": "200", "ALPAMAYO_KAFKA_BOOTSTRAP_SERVERS": bootstrap,
                "ALPAMAYO_REQUEST_TOPIC": opts.request_topic, "ALPAMAYO_RESULT_TOPIC": opts.result_topic,
                "ALPAMAYO_DEAD_LETTER_TOPIC": opts.dead_letter_topic, "ALPAMAYO_GROUP_ID": f"{run_id}-workers",
                "ALPAMAYO_HTTP_PORT": str(free_ports(1)[0]), "ALPAMAYO_HTTP_HOST": "127.0.0.1"}
+        if args.reasoning_tokens is not None:
+            env["ALPAMAYO_MAX_REASONING_TOKENS"] = str(args.reasoning_tokens)
         print(f"== 3. the worker ({os.environ.get('NIM_MODEL_PROFILE', 'bf16')}) through Kafka", flush=True)
         kafka_sps, results, dead, missing, first_s, engine, wall_s = kafka_path(opts, env, reqs, args.timeout,
                                                                                 out / "worker.log")

@@ -24,7 +24,7 @@ from worker.dflash.metrics import speculative_block
 from worker.model.checkpoint import check_checkpoint
 from worker.model import memory_plan
 from worker.model.memory_plan import MemoryPlan
-from worker.model.runtime import AlpamayoRuntime, SceneRequest, SceneResult
+from worker.model.runtime import AlpamayoRuntime, PreparedBatch, SceneRequest, SceneResult
 from worker.model.tokenizer import load_tokenizer
 from worker.uncertainty import uncertainty_block
 
@@ -145,7 +145,12 @@ class Engine:
             return frame
         return self.runtime.image_proc.shrink(frame)
 
-    def infer(self, batch: list[SceneRequest]) -> list[SceneResult]:
+    def prepare_batch(self, batch: list[SceneRequest]) -> PreparedBatch:
+        """The batch's host work (prompts, staged frames), on any thread: the worker prepares the
+        next batch while `infer` runs the current one."""
+        return self.runtime.prepare(batch)
+
+    def infer(self, batch: list[SceneRequest] | PreparedBatch) -> list[SceneResult]:
         return self.runtime.run(batch)
 
     def models_payload(self) -> dict:

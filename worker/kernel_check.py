@@ -373,9 +373,11 @@ def sweep_fp8_prefill(dev, gen, rows: int = PREFILL_ROWS) -> None:
     """Times the forms of an fp8 x fp8 product for a prompt's `rows` tokens at the 32B weight
     shapes: bf16 F.linear; the activation quantisation alone (`quantize_rows`); `_scaled_mm` with
     row-wise scales (what `scaled_mm_linear` runs after it) and with fast accumulation; with
-    one scale per tensor, with and without fast accumulation. TFLOP/s in brackets (GPU only)."""
+    one scale per tensor, with and without fast accumulation. TFLOP/s in brackets (GPU only). The
+    last column: the row-wise product's relative error against the fp32 product of the same
+    quantised operands, without / with fast accumulation (what `fp8.FAST_ACCUM` adds)."""
     print(f"\n| prefill product ({rows} rows) | bf16 F.linear us | quantize_rows us | _scaled_mm row-wise us "
-          "| row-wise, fast accum | per-tensor | per-tensor, fast accum |\n" + "|---" * 7 + "|")
+          "| row-wise, fast accum | per-tensor | per-tensor, fast accum | rel err exact / fast |\n" + "|---" * 8 + "|")
     for name, n, k in SHAPES["32b"]["linear"]:
         w8, scale = quantize_weight(torch.randn(n, k, device=dev, generator=gen))
         x = torch.randn(rows, k, device=dev, generator=gen).to(torch.bfloat16)
@@ -401,6 +403,9 @@ def sweep_fp8_prefill(dev, gen, rows: int = PREFILL_ROWS) -> None:
                  form(lambda w: mm(w, x_scale, scale[None, :], True), w8),
                  form(lambda w: mm(w, one, one, False), w8),
                  form(lambda w: mm(w, one, one, True), w8)]
+        exact = (xq.float() * x_scale) @ (w8.float() * scale[:, None]).t()
+        cells.append(" / ".join(f"{rel_err(mm(w8, x_scale, scale[None, :], fast), exact)[0]:.2e}"
+                                for fast in (False, True)))
         print(f"| {name} ({n}x{k}) | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -20,7 +20,7 @@ __all__ = ["WorkerMetrics", "CONTENT_TYPE_LATEST", "STAGES", "SPEC_METHOD", "ENG
 
 STAGES = ("queue", "image_prep", "prefill", "decode", "diffusion", "total")
 SPEC_METHOD = "dflash2"
-ENGINE_PHASES = ("infer", "output")
+ENGINE_PHASES = ("infer", "output", "prepare")   # prepare: the next batch's host work, on the prep thread
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 _UNCERTAINTY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
@@ -53,8 +53,9 @@ class WorkerMetrics:
         self.queue_depth = Gauge("alpamayo_queue_depth", "Jobs waiting for the engine", registry=r)
         self.engine_seconds = Counter(
             "alpamayo_engine_seconds_total",
-            "Engine thread wall time per batch phase: infer (the model) and output (results built and encoded); "
-            "its rate is the engine's busy fraction", ["phase"], registry=r)
+            "Engine wall time per batch phase: infer (the model) and output (results built and encoded) on the "
+            "engine thread, their rate its busy fraction; prepare: the next batch's host work on the prep "
+            "thread, overlapping infer", ["phase"], registry=r)
         for phase in ENGINE_PHASES:
             self.engine_seconds.labels(phase=phase)
         self.stage_latency = Histogram("alpamayo_stage_latency_seconds", "Per-stage latency of a request",

@@ -117,8 +117,10 @@ class WorkerService:
         self.state = HealthState(self.metrics, self.engine.models_payload)
         self.side = SidePort(self.state, settings.http_host, settings.http_port)
         self.tracker = OffsetTracker()
-        self.batcher: Batcher[Job] = Batcher(lambda j: j.group, settings.max_batch_size, settings.max_batch_wait_ms)
-        self.stats = StatsLog(self.metrics, settings.stats_interval_s, queue_depth=lambda: len(self.batcher),
+        self._in_intake = 0                  # fetched records whose intake (decode, checks) has not finished
+        self.batcher: Batcher[Job] = Batcher(lambda j: j.group, settings.max_batch_size, settings.max_batch_wait_ms,
+                                             incoming=lambda: self._in_intake)
+        self.stats = StatsLog(self.metrics, settings.stats_interval_s, queue_depth=self.waiting,
                               in_flight=lambda: self.tracker.inflight)
         self.exactly_once = settings.processing_guarantee == "exactly_once"
         self.consumer = self.producer = self.publisher = None
@@ -127,10 +129,12 @@ class WorkerService:
                              shrink_frame=getattr(engine, "shrink_frame", None))
         self._engine_pool = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._intake_pool = ThreadPoolExecutor(INTAKE_THREADS, thread_name_prefix="intake")
+        self._prep_pool = ThreadPoolExecutor(1, thread_name_prefix="batch-prep")
         self._stop = asyncio.Event()
         self._fetching = True
         self._paused = False
         self._running: list[Job] = []
+        self._ahead: list[Job] = []          # the next batch, picked and being prepared while `_running` runs
         self._revoking: set[tuple[str, int]] = set()
         self._engine_idle = asyncio.Event()
         self._engine_idle.set()
@@ -139,6 +143,10 @@ class WorkerService:
         self.exit_code: int | None = None
 
     # ------------------------------------------------------------------ control
+    def waiting(self) -> int:
+        """Jobs waiting for the engine: queued in the batcher, or picked ahead as the next batch."""
+        return len(self.batcher) + len(self._ahead)
+
     def request_stop(self) -> None:
         """Begin the drain (signal handlers, WorkerThread.stop). Event-loop thread only."""
         if not self._stop.is_set():
@@ -163,6 +171,7 @@ class WorkerService:
                   f"bound ({os.strerror(exc.errno) if exc.errno else exc}): set ALPAMAYO_HTTP_PORT to a free port, or stop the process "
                   "holding it", file=sys.stderr, flush=True)
             self._intake_pool.shutdown(wait=False)
+            self._prep_pool.shutdown(wait=False)
             self._engine_pool.shutdown(wait=False)
             self.exit_code = EXIT_REFUSED
             return EXIT_REFUSED
@@ -171,6 +180,7 @@ class WorkerService:
         finally:
             await self.side.stop()
             self._intake_pool.shutdown(wait=False, cancel_futures=True)
+            self._prep_pool.shutdown(wait=False, cancel_futures=True)
             self._engine_pool.shutdown(wait=False, cancel_futures=True)
         self.exit_code = code
         return code
@@ -320,7 +330,7 @@ class WorkerService:
             return
         self._revoking |= tps            # no new work of these partitions enters the batcher or the engine
         abandoned = self.batcher.remove(lambda j: j.tp in tps)
-        self.metrics.queue_depth.set(len(self.batcher))
+        self.metrics.queue_depth.set(self.waiting())
         if any(j.tp in tps for j in self._running):
             try:
                 await asyncio.wait_for(self._engine_idle.wait(), self._revoke_timeout())
@@ -374,11 +384,14 @@ class WorkerService:
                     epoch = self.tracker.add(key, rec.offset)
                     if epoch is None:       # partition no longer ours
                         continue
+                    self._in_intake += 1
                     fut = loop.run_in_executor(self._intake_pool, self.intake.process, rec, now)
                     fut.add_done_callback(lambda f, rec=rec, epoch=epoch: self._on_intake(f, rec, epoch))
 
     def _on_intake(self, fut, rec, epoch: int) -> None:
         tp = (rec.topic, rec.partition)
+        self._in_intake -= 1
+        self.batcher.notify()                # a group waiting for intake may be ready now
         if fut.cancelled():
             return
         exc = fut.exception()
@@ -388,7 +401,7 @@ class WorkerService:
         if isinstance(out, Job):
             out.epoch = epoch
             self.batcher.put(out)
-            self.metrics.queue_depth.set(len(self.batcher))
+            self.metrics.queue_depth.set(self.waiting())
             return
         if not isinstance(out, DeadLetter):   # intake never raises; belt and braces
             out = self.intake.dead_letter(out if isinstance(out, BaseException) else RuntimeError(str(out)), rec)
@@ -399,22 +412,42 @@ class WorkerService:
 
     # ------------------------------------------------------------------ engine
     async def _batch_loop(self, loop) -> None:
+        """One batch at a time on the engine thread. While it runs, the next batch is picked as
+        soon as a group is full and its host work (prompts, frame staging: `Engine.prepare_batch`)
+        runs on the prep thread, off the engine's critical path. Jobs revoked meanwhile are dropped
+        when their batch's turn comes (and the batch prepared again without them)."""
+        ahead = None                                     # (picked, future of the prepared batch)
+        prepare = getattr(self.engine, "prepare_batch", None)
         while True:
-            picked = await self.batcher.get()
-            self.metrics.queue_depth.set(len(self.batcher))
+            if ahead is not None:
+                picked, prepared = ahead
+                ahead, self._ahead = None, []
+            else:
+                picked, prepared = await self.batcher.get(), None
+            self.metrics.queue_depth.set(self.waiting())
             if picked is None:
                 return
             (task, k), jobs = picked
-            jobs = [j for j in jobs if self.tracker.is_current(j.tp, j.epoch) and j.tp not in self._revoking]
-            if not jobs:
+            live = [j for j in jobs if self.tracker.is_current(j.tp, j.epoch) and j.tp not in self._revoking]
+            if not live:
                 continue
+            if prepared is not None:
+                try:
+                    prepared = await prepared if len(live) == len(jobs) else None
+                except Exception as exc:          # the engine prepares the batch itself (and isolates the culprit)
+                    log.warning("preparing a batch ahead failed (%s: %s)", type(exc).__name__, exc)
+                    prepared = None
+            jobs = live
             self.metrics.observe_batch(task, k, len(jobs))
             log.debug("batch %s K=%d: %s", task, k, [j.request_id for j in jobs])
             self._running = jobs
             self._engine_idle.clear()
             self.engine_busy = True
             try:
-                outputs = await loop.run_in_executor(self._engine_pool, self._run_batch, jobs)
+                run = loop.run_in_executor(self._engine_pool, self._run_batch, jobs, prepared)
+                if prepare is not None:
+                    ahead = await self._pick_ahead(loop, run, prepare)
+                outputs = await run
             finally:
                 self.engine_busy = False
             log.debug("batch done: %s", [(o.request_id, o.error_code or "result") for o in outputs])
@@ -422,12 +455,39 @@ class WorkerService:
             self._running = []
             self._engine_idle.set()
 
-    def _run_batch(self, jobs: list[Job]) -> list[Output]:
-        """Engine thread: infer, then build and encode each job's result (or dead letter)."""
+    async def _pick_ahead(self, loop, run, prepare):
+        """While `run` (the engine's batch) is going: wait for a full group, take it and start its
+        host work on the prep thread -> (picked, future) or None when the batch ended first."""
+        full = asyncio.ensure_future(self.batcher.get(full_only=True))
+        try:
+            await asyncio.wait({run, full}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not full.done():
+                full.cancel()                    # the batch ended first (or this loop stops): nothing was taken
+        if not full.done() or full.cancelled():
+            return None
+        picked = full.result()
+        if picked is None:
+            return None
+        self._ahead = picked[1]
+        self.metrics.queue_depth.set(self.waiting())
+        scenes = [j.scene for j in picked[1]]
+
+        def timed():
+            t0 = time.perf_counter()
+            try:
+                return prepare(scenes)
+            finally:
+                self.metrics.engine_seconds.labels(phase="prepare").inc(time.perf_counter() - t0)
+        return picked, loop.run_in_executor(self._prep_pool, timed)
+
+    def _run_batch(self, jobs: list[Job], prepared=None) -> list[Output]:
+        """Engine thread: infer (the batch `prepared` ahead when given), then build and encode
+        each job's result (or dead letter)."""
         start = time.time()
         t0 = time.perf_counter()
         try:
-            results = self.engine.infer([j.scene for j in jobs])
+            results = self.engine.infer(prepared if prepared is not None else [j.scene for j in jobs])
             if len(results) != len(jobs):
                 raise RuntimeError(f"engine returned {len(results)} results for {len(jobs)} scenes")
         except Exception as exc:

@@ -22,7 +22,7 @@ def test_serve_bench_answers_every_request_and_compares_with_the_engine_alone(
     monkeypatch.setenv("NIM_MODEL_PROFILE", "bf16")
     monkeypatch.setenv("ALPAMAYO_DEVICE", "cpu")
     code = serve_bench.main(["--bootstrap-servers", kafka_bootstrap, "--scenes", "6", "--batch", "3", "--k", "1",
-                             "--distinct", "2", "--image-size", "64x64", "--max-tokens", "12", "--timeout", "300",
+                             "--distinct", "2", "--image-size", "64x64", "--reasoning-tokens", "12", "--timeout", "300",
                              "--out", str(tmp_path / "out")])
     text = (tmp_path / "out" / "serve_bench.md").read_text()
     assert text in capsys.readouterr().out
@@ -41,11 +41,12 @@ def test_serve_bench_answers_every_request_and_compares_with_the_engine_alone(
     assert kafka_prefill > 0 and alone_prefill > 0
     assert re.search(r"\| first answer after the worker was ready \(informational\) \| [\d.]+ s \|", text)
     # the worker's engine thread, from its Prometheus counters: 2 batches of 3, busy part of the run
-    infer, output, busy, alone = re.search(r"infer ([\d.]+) \+ output ([\d.]+) s per batch, busy (\d+)% of the run; "
-                                           r"alone: infer ([\d.]+) s per batch", text).groups()
+    infer, output, busy, ahead, alone = re.search(
+        r"infer ([\d.]+) \+ output ([\d.]+) s per batch, busy (\d+)% of the run \(host work of the next batch, "
+        r"prepared meanwhile: ([\d.]+) s per batch\); alone: infer ([\d.]+) s per batch", text).groups()
     # (the run's clock starts when the harness sees the worker ready, polled: a worker that began
     # the backlog a moment earlier can show a little over 100%)
-    assert float(infer) > 0 and float(alone) > 0 and 0 < int(busy) <= 125
+    assert float(infer) > 0 and float(alone) > 0 and 0 < int(busy) <= 125 and float(ahead) >= 0
     assert re.search(r"infer outside the timed stages -?[\d.]+ / -?[\d.]+ s per batch", text)
 
 
@@ -66,7 +67,7 @@ def test_send_requests_publishes_a_request_larger_than_the_producer_default(kafk
     opts = kafka_options({}, bootstrap_servers=kafka_bootstrap, request_topic=f"{run}.requests",
                          result_topic=f"{run}.results", dead_letter_topic=f"{run}.dead-letters")
     asyncio.run(create_topics(opts, plan_topics(opts, partitions=1, max_message_bytes=8 << 20)))
-    req = serve_bench.build_requests(run, 1, 1, (1080, 1920), 1, 8)[0]
+    req = serve_bench.build_requests(run, 1, 1, (1080, 1920), 1)[0]
     size = len(S.encode_request(req)[0])
     assert size > 1 << 20
 

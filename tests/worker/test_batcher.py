@@ -154,3 +154,49 @@ async def test_async_get_returns_none_once_closed_and_empty():
     b.close()
     assert [j.name for j in (await b.get())[1]] == ["a"]
     assert await asyncio.wait_for(b.get(), 1) is None
+
+
+def test_a_group_past_its_wait_waits_longer_while_records_are_in_intake():
+    """After a restart over a backlog the first batch must not be the few scenes decoded in the
+    first max_wait: while records are still in intake a partial group waits for them (up to
+    INCOMING_WAIT_S more), and is ready as soon as intake is empty or the group is full."""
+    from worker.batcher import INCOMING_WAIT_S
+
+    pending = [3]
+    b = Batcher(lambda j: (j.task, j.k), max_batch_size=4, max_wait_ms=100, clock=lambda: 0.0,
+                incoming=lambda: pending[0])
+    b.put(J("a"), now=0.0)
+    assert b.pick(now=0.5) is None                              # past 100 ms, but 3 records are coming
+    assert b.next_deadline(now=0.5) == pytest.approx(0.1 + INCOMING_WAIT_S)
+    b.put(J("b"), now=0.6)
+    pending[0] = 0                                              # intake empty: ready at once
+    assert names(b.pick(now=0.7)) == ["a", "b"]
+    pending[0] = 5
+    b.put(J("c"), now=1.0)
+    assert b.pick(now=1.0 + INCOMING_WAIT_S) is None
+    assert names(b.pick(now=1.1 + INCOMING_WAIT_S)) == ["c"]    # the extra wait is bounded
+    for i in range(4):
+        b.put(J(f"f{i}"), now=2.0 + INCOMING_WAIT_S)
+    assert len(b.pick(now=2.0 + INCOMING_WAIT_S)[1]) == 4       # a full group never waits
+
+
+def test_full_only_picks_nothing_but_a_full_group():
+    b = make(size=2, wait_ms=0)
+    b.put(J("a"), now=0.0)
+    assert b.pick(now=5.0, full_only=True) is None              # ready by time, but not full
+    b.put(J("b"), now=0.0)
+    assert names(b.pick(now=0.0, full_only=True)) == ["a", "b"]
+    b.put(J("c"), now=0.0)
+    b.flush(True)                                               # draining: every group counts
+    assert names(b.pick(now=0.0, full_only=True)) == ["c"]
+
+
+async def test_a_cancelled_full_only_wait_takes_nothing():
+    b = Batcher(lambda j: (j.task, j.k), max_batch_size=2, max_wait_ms=0)
+    waiter = asyncio.create_task(b.get(full_only=True))
+    b.put(J("a"))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    waiter.cancel()
+    await asyncio.gather(waiter, return_exceptions=True)
+    assert names(await asyncio.wait_for(b.get(), 1)) == ["a"]

@@ -53,7 +53,7 @@ class FaultyEngine(Engine):
         self.calls: list[list[str]] = []
 
     def infer(self, batch):
-        ids = [s.request_id for s in batch]
+        ids = [s.request_id for s in getattr(batch, "requests", batch)]     # a batch prepared ahead, or scenes
         self.calls.append(ids)
         if self.hold & set(ids):
             self.release.wait(120)
@@ -116,12 +116,12 @@ async def test_max_inflight_pauses_fetching_until_the_engine_frees_a_slot(kafka_
         await produce(kafka_bootstrap, req_t, [request_item(r) for r in reqs])
         svc = w.service
         deadline = time.monotonic() + 60
-        while not (engine.calls and svc.tracker.inflight >= 2 and len(svc.batcher) >= 1):
+        while not (engine.calls and svc.tracker.inflight >= 2 and svc.waiting() >= 1):
             assert time.monotonic() < deadline, "the first request never reached the engine"
             await asyncio.sleep(0.05)
         seen = []
         for _ in range(30):                    # 1.5 s of fetch loops while the engine is held
-            seen.append((svc.tracker.inflight, len(svc.batcher)))
+            seen.append((svc.tracker.inflight, svc.waiting()))
             await asyncio.sleep(0.05)
         assert set(seen) == {(2, 1)}, f"fetched past ALPAMAYO_MAX_INFLIGHT: (in flight, queued) = {set(seen)}"
         assert svc.consumer.paused(), "the partition was not paused"

@@ -145,6 +145,16 @@ class _Prepared:
     pixel_values: torch.Tensor | None = None      # set by AlpamayoRuntime._pixel_values
 
 
+@dataclass
+class PreparedBatch:
+    """`AlpamayoRuntime.prepare`'s product, what `run` takes: the requests in order, their results
+    (errors filled for scenes that cannot run), the scenes that run and their reasoning limits."""
+    requests: list[SceneRequest]
+    results: dict[str, SceneResult]
+    ok: list[_Prepared]
+    max_new: list[int]
+
+
 class _Marks:
     """Stage boundaries of the prefill loop without a host sync per scene: CUDA events on the
     GPU (read once, after the loop), wall clock on the CPU."""
@@ -318,36 +328,49 @@ class AlpamayoRuntime:
         return logits, layer_kv, captured
 
     # ------------------------------------------------------------------ the batch
-    def run(self, batch: list[SceneRequest]) -> list[SceneResult]:
-        """Run one batch (one task, one K). Failures of one scene never fail the others."""
+    def prepare(self, batch: list[SceneRequest]) -> "PreparedBatch":
+        """A batch's host work before the GPU (one task, one K): each scene's prompt and positions,
+        its frames staged in the image-prep pool, the reasoning limit; scenes that cannot run get
+        their error here. Thread-safe against a running `run`: the worker prepares the next batch
+        while the engine thread runs the current one."""
         if not batch:
-            return []
+            return PreparedBatch([], {}, [], [])
         task = batch[0].task
         k = batch[0].num_samples
         if any(r.task != task or r.num_samples != k for r in batch):
             raise ValueError("a batch must hold one task and one K")
         results = {r.request_id: SceneResult(r.request_id, task) for r in batch}
-        prepared: list[_Prepared] = []
+        ok: list[_Prepared] = []
+        max_new: list[int] = []
         for req in batch:
             try:
-                prepared.append(self._prepare(req, self._prep_pool))
+                p = self._prepare(req, self._prep_pool)
             except InferenceError as e:
                 results[req.request_id].error = (e.code, str(e))
+                continue
             except ValueError as e:
                 results[req.request_id].error = ("bad_image", str(e))
-        max_new = []
-        ok: list[_Prepared] = []
-        for p in prepared:
-            limit = self.trajectory_max_new if task == "trajectory" else (p.req.max_tokens or DEFAULT_MAX_NEW[task])
+                continue
+            limit = self.trajectory_max_new if task == "trajectory" else (req.max_tokens or DEFAULT_MAX_NEW[task])
             plen = len(p.input_ids)
             if self.max_model_len is not None:
                 if plen + 1 > self.max_model_len:
-                    results[p.req.request_id].error = (
+                    results[req.request_id].error = (
                         "out_of_range", f"prompt is {plen} tokens, NIM_ALPAMAYO_MAX_MODEL_LEN is {self.max_model_len}")
                     continue
                 limit = min(limit, self.max_model_len - plen)
             ok.append(p)
             max_new.append(limit)
+        return PreparedBatch(list(batch), results, ok, max_new)
+
+    def run(self, batch: "list[SceneRequest] | PreparedBatch") -> list[SceneResult]:
+        """Run one batch (one task, one K), prepared by `prepare` or not yet. Failures of one
+        scene never fail the others."""
+        b = batch if isinstance(batch, PreparedBatch) else self.prepare(batch)
+        if not b.requests:
+            return []
+        task, k = b.requests[0].task, b.requests[0].num_samples
+        ok, max_new, results = b.ok, b.max_new, b.results
         # the persistent cache holds max_rows rows (the memory plan): larger batches run in chunks
         per = max(1, self.max_rows // k) if self.max_rows else max(1, len(ok))
         for i in range(0, len(ok), per):
@@ -358,7 +381,7 @@ class AlpamayoRuntime:
                 torch.cuda.empty_cache()
                 for p in chunk:
                     results[p.req.request_id].error = ("inference_failed", "out of GPU memory for this batch")
-        return [results[r.request_id] for r in batch]
+        return [results[r.request_id] for r in b.requests]
 
     def kv_bytes_per_column(self, with_draft: bool = True) -> int:
         """Bytes of one cache column of one row: every target layer's K and V, plus (with_draft)
