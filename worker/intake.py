@@ -24,10 +24,8 @@ Blocking (file I/O, image decode): the service runs :meth:`Intake.process` on a 
 
 from __future__ import annotations
 
-import os
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -51,6 +49,7 @@ from schemas import (
 )
 from worker.claim_check import ClaimCheckFetcher
 from worker.config import Settings
+from worker.frames import DECODER, FrameError
 
 __all__ = ["Record", "RawRecord", "Job", "Intake", "MAX_IMAGE_PIXELS", "MAX_REQUEST_PIXELS", "MAX_ATTEMPT",
            "replay_lineage"]
@@ -60,8 +59,6 @@ MAX_IMAGE_PIXELS = 4096 * 4096
 MAX_REQUEST_PIXELS = 24 * 3840 * 2160
 """Largest total pixel count of one request's images (24 frames of 4K)."""
 MAX_ATTEMPT = 1_000_000
-DECODE_THREADS = min(16, os.cpu_count() or 1)
-"""Images of one request decoded at once (PIL and numpy release the GIL while they work)."""
 """Largest ``attempt`` header value taken (a larger or malformed one is ignored)."""
 _COORDS = re.compile(r"[A-Za-z0-9._-]{1,249}:[0-9]{1,10}:[0-9]{1,19}")
 """``topic:partition:offset`` (Kafka's topic name characters and length)."""
@@ -187,7 +184,6 @@ class Intake:
         self.max_image_pixels = max_image_pixels
         self.max_request_pixels = max_request_pixels
         self.worker_id = settings.worker_id
-        self._decode_pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="image-decode")
 
     # ------------------------------------------------------------------ entry point
     def process(self, record: Record, received_at: float | None = None) -> Job | DeadLetter:
@@ -200,8 +196,7 @@ class Intake:
                 value, headers, self.settings.max_request_bytes, k_values=self.k_values)
             t0 = time.perf_counter()
             try:
-                frames = self._images(req)
-                scene = self._scene(req, frames)
+                scene = self._scene(req, *self._frames(req))
             except ContractError as err:
                 raise err.with_ids(req.request_id, req.run_id) from None
             except Exception as exc:
@@ -237,7 +232,17 @@ class Intake:
             offset=record.offset, worker_id=self.worker_id, attempt=attempt, replay_of=replay_of)
 
     # ------------------------------------------------------------------ images
-    def _images(self, req: InferRequest) -> list[np.ndarray]:
+    def _frames(self, req: InferRequest) -> tuple[np.ndarray, tuple[int, ...]]:
+        """The request's images decoded (by the decoder processes, worker/frames.py) in the
+        model's order, cameras by ascending id, camera-major -> ((N, H, W, 3) uint8, camera ids
+        in that order); shrunk when the engine asks."""
+        if req.camera_order is not None:
+            cams = [CAMERA_IDS_BY_NAME[name] for name in req.camera_order]
+        else:
+            cams = list(TASK_CAMERA_ORDER[req.task])
+        nf = req.num_frames_per_camera
+        # the model reads cameras in ascending id order, camera-major: reorder whole camera blocks
+        order = sorted(range(len(cams)), key=lambda c: cams[c])
         blobs: list[bytes] = []
         for i, img in enumerate(req.images):
             if isinstance(img, ImageRef):
@@ -254,34 +259,22 @@ class Intake:
         if total > self.max_request_pixels:
             raise ContractError(ErrorCode.OVERSIZE, "$.images",
                                 f"images hold {total} pixels in all, limit {self.max_request_pixels}")
-        # decoded in parallel; the first failing image in request order is the one reported
-        return list(self._decode_pool.map(lambda i: self._frame(i, blobs[i], sizes[i]), range(len(blobs))))
-
-    def _frame(self, i: int, blob: bytes, size: tuple[int, int]) -> np.ndarray:
-        """Image i: decoded, checked against its header's size, shrunk when the engine asks."""
-        from worker.model.inputs import decode_image
-
+        rank = {c: r for r, c in enumerate(order)}
+        slots = [rank[i // nf] * nf + i % nf for i in range(len(blobs))]
         try:
-            arr = decode_image(blob, max_pixels=self.max_image_pixels, max_bytes=len(blob) + 1)
-        except ValueError as exc:
-            raise ContractError(ErrorCode.BAD_IMAGE, f"$.images[{i}]", str(exc)) from None
-        if (arr.shape[1], arr.shape[0]) != size:
-            raise ContractError(ErrorCode.BAD_IMAGE, f"$.images[{i}]",
-                                f"decoded to {arr.shape[1]}x{arr.shape[0]}, header says {size[0]}x{size[1]}")
-        return self.shrink_frame(arr) if self.shrink_frame is not None else arr
+            frames = DECODER.decode(blobs, sizes, slots, self.max_image_pixels)
+        except FrameError as exc:
+            field = "$.images" if exc.index is None else f"$.images[{exc.index}]"
+            raise ContractError(ErrorCode.BAD_IMAGE, field, str(exc)) from None
+        if self.shrink_frame is not None:
+            frames = np.stack([self.shrink_frame(f) for f in frames])
+        return frames, tuple(cams[c] for c in order)
 
     # ------------------------------------------------------------------ the runtime's request
-    def _scene(self, req: InferRequest, frames: list[np.ndarray]):
+    def _scene(self, req: InferRequest, frames: np.ndarray, camera_ids: tuple[int, ...]):
         from worker.model.runtime import SceneRequest
 
-        if req.camera_order is not None:
-            cams = [CAMERA_IDS_BY_NAME[name] for name in req.camera_order]
-        else:
-            cams = list(TASK_CAMERA_ORDER[req.task])
         nf = req.num_frames_per_camera
-        # the model reads cameras in ascending id order, camera-major: reorder whole camera blocks
-        order = sorted(range(len(cams)), key=lambda c: cams[c])
-        stacked = np.stack([frames[c * nf + f] for c in order for f in range(nf)])
         hist_xyz = hist_rot = fut_xyz = fut_rot = None
         if req.egomotion is not None:
             e = req.egomotion
@@ -293,8 +286,8 @@ class Intake:
             fut_rot = _rotations(f.ego_future_rot, f.ego_future_quat, "$.future_egomotion")
         text_task = req.task != "trajectory"
         return SceneRequest(
-            request_id=req.request_id, task=req.task, frames=stacked,
-            camera_ids=tuple(cams[c] for c in order), num_frames=nf,
+            request_id=req.request_id, task=req.task, frames=frames,
+            camera_ids=camera_ids, num_frames=nf,
             ego_history_xyz=hist_xyz, ego_history_rot=hist_rot, ego_future_xyz=fut_xyz, ego_future_rot=fut_rot,
             num_samples=req.num_traj_samples, temperature=float(req.temperature), top_p=float(req.top_p),
             top_k=req.top_k, seed=int(req.seed) if req.seed is not None else int(self.default_seed(req.request_id)),

@@ -481,7 +481,7 @@ def bomb_50k():
 
 
 def test_decode_image_refuses_bombs_before_decoding_a_pixel(pixel_decodes, bomb_50k):
-    from worker.model.inputs import decode_image
+    from worker.frames import decode_image
 
     assert len(bomb_50k) < 1 << 20
     small = png_bytes(64, 32, fill=7)
@@ -498,7 +498,7 @@ def test_decode_image_refuses_bombs_before_decoding_a_pixel(pixel_decodes, bomb_
 def test_decode_image_refuses_too_many_bytes_before_opening(monkeypatch):
     from PIL import Image
 
-    from worker.model.inputs import decode_image
+    from worker.frames import decode_image
 
     opened = []
     orig = Image.open

@@ -5,7 +5,6 @@ import dataclasses
 import hashlib
 import io
 import os
-import threading
 
 import msgspec
 import numpy as np
@@ -160,22 +159,36 @@ def test_corrupt_image_body_is_caught_at_pixel_decode(intake):
     dead(intake, encode(req_dict(images=images)), "bad_image", "$.images[3]")
 
 
-def test_images_decode_on_the_pool_and_the_first_bad_one_in_order_is_reported(intake, monkeypatch):
-    import worker.model.inputs as inputs
+def test_images_decode_in_the_decoder_processes_and_the_first_bad_one_in_order_is_reported(intake):
+    """The pixels are decoded outside the worker's interpreter (worker/frames.py), into the frames
+    array the job holds; of two corrupt images the earlier one is named."""
+    from worker.frames import DECODER
 
-    threads, decode = set(), inputs.decode_image
-
-    def recording(*a, **kw):
-        threads.add(threading.current_thread().name)
-        return decode(*a, **kw)
-    monkeypatch.setattr(inputs, "decode_image", recording)
     job = run(intake, encode(req_dict()))
     assert isinstance(job, Job) and [int(f[0, 0, 0]) for f in job.scene.frames] == list(range(24))
-    assert threads and all(t.startswith("image-decode") for t in threads), threads
+    pids = DECODER.pids()
+    assert pids and os.getpid() not in pids
     images = [png(value=i) for i in range(24)]
     for i in (20, 4):                                          # both corrupt: the earlier one is named
         images[i] = images[i][:40] + b"\x00" * (len(images[i]) - 40)
     dead(intake, encode(req_dict(images=images)), "bad_image", "$.images[4]")
+
+
+def test_a_decoder_process_that_dies_fails_its_request_only_and_the_pool_restarts(intake):
+    import signal
+
+    from worker.frames import DECODER, SHM_DIR
+
+    run(intake, encode(req_dict()))                            # the pool is up
+    for pid in DECODER.pids():
+        os.kill(pid, signal.SIGKILL)                           # as a codec crash on a crafted image would
+    out = run(intake, encode(req_dict()))
+    if not isinstance(out, Job):                               # the request that met the dead pool
+        assert (out.error_code.value, out.error_field) == ("bad_image", "$.images"), out
+        assert "decoder process died" in out.error_message
+    job = run(intake, encode(req_dict()))                      # served again by a new pool
+    assert isinstance(job, Job) and int(job.scene.frames[5][0, 0, 0]) == 5
+    assert not [f for f in os.listdir(SHM_DIR) if f.startswith(f"alpamayo-frames-{os.getpid()}-")]
 
 
 def test_too_many_pixels_is_oversize_before_decoding(roots):
@@ -293,3 +306,19 @@ def test_late_failure_dead_letter_keeps_the_original_record(intake):
     assert (dl.error_code, dl.request_id, dl.run_id) == (S.ErrorCode.INFERENCE_FAILED, "r-1", "run-1")
     assert dl.original_value == value and dl.source.offset == 7
     assert S.dead_letter_key(dl) == b"r-1"
+
+
+def test_frames_go_through_the_temporary_directory_where_dev_shm_has_no_room(intake, monkeypatch, tmp_path):
+    """Docker's default /dev/shm is 64 MB (a full-HD scene is 149 MB): the decoder's scratch file
+    then lives in the temporary directory; either way none is left behind."""
+    import tempfile
+
+    import worker.frames as frames
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(frames, "SHM_DIR", str(tmp_path / "no-such-shm"))
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    job = run(intake, encode(req_dict()))
+    assert isinstance(job, Job) and [int(f[0, 0, 0]) for f in job.scene.frames] == list(range(24))
+    assert frames._scratch_dir(1) == str(scratch) and list(scratch.iterdir()) == []

@@ -1,4 +1,4 @@
-"""Model inputs: camera profiles, image decoding and preprocessing, the prompt, trajectory tokens.
+"""Model inputs: camera profiles, image preprocessing (decoding: worker/frames.py), the prompt, trajectory tokens.
 
 Follows docs/alpamayo2-model.md section 2: 6 cameras x 4 frames, camera-major, oldest frame
 first; each frame is one Qwen3-VL *image* (temporal patch duplicated); the no-special-token
@@ -8,7 +8,6 @@ prompt rendered with the Qwen3-VL chat layout; 45 history trajectory tokens repl
 
 from __future__ import annotations
 
-import io
 import json
 import math
 from dataclasses import dataclass
@@ -17,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image
 
 from schemas import CAMERAS, TASKS_NEEDING_EGOMOTION
 from worker.model.config import CheckpointError
@@ -33,35 +31,6 @@ DEFAULT_QUESTIONS = {
     "grounding": "Find the white lead vehicle directly ahead and return its bounding box in JSON.",
     "vqa": "What are the key traffic elements visible in this scene and how should they influence driving behavior?",
 }
-
-ALLOWED_IMAGE_FORMATS = {"JPEG", "PNG", "WEBP", "BMP"}
-
-
-def decode_image(data: bytes, max_pixels: int = 4096 * 4096, max_bytes: int = 32 << 20) -> np.ndarray:
-    """Compressed JPEG/PNG/WebP/BMP bytes -> (H, W, 3) uint8 RGB.
-
-    Bounded before decoding: bytes <= max_bytes and the header's width x height <= max_pixels,
-    so decompression bombs are refused without allocating. Raises ValueError with the reason.
-    """
-    if len(data) > max_bytes:
-        raise ValueError(f"image is {len(data)} bytes, limit {max_bytes}")
-    try:
-        with Image.open(io.BytesIO(data)) as im:
-            if im.format not in ALLOWED_IMAGE_FORMATS:
-                raise ValueError(f"image format {im.format} not accepted (JPEG, PNG, WebP, BMP)")
-            w, h = im.size
-            if w * h > max_pixels or w < 1 or h < 1:
-                raise ValueError(f"image is {w}x{h} pixels, limit {max_pixels}")
-            im.draft("RGB", (w, h))
-            arr = np.asarray(im.convert("RGB"))
-    except ValueError:
-        raise
-    except Exception as e:  # PIL raises many types for corrupt data
-        raise ValueError(f"image cannot be decoded ({type(e).__name__}: {e})") from None
-    if arr.shape[0] != h or arr.shape[1] != w:
-        raise ValueError("image decoded to an unexpected size")
-    return arr
-
 
 @dataclass(frozen=True)
 class ImageProcessing:

@@ -58,7 +58,12 @@ def _jerk_limited(a_cmd: float, a_prev: float, v: float) -> float:
         if n <= -a_prev / step + 4.0:
             if n < 2.0:
                 return -v / DT
-            return -2.0 * v / (DT * math.floor(n + 1e-6))
+            # a ramp over f steps removes v from a_f = -2v / (dt f) in steps of |a_f| / (f - 1):
+            # the shortest f whose steps (and first change from a_prev) stay within J dt
+            f = math.floor(n + 1e-6)
+            while 2.0 * v / (DT * f * (f - 1)) > step + 1e-9:
+                f += 1
+            return min(max(-2.0 * v / (DT * f), a_prev - step), a_prev + step)
     a_cmd = min(max(a_cmd, ACCEL_MIN), ACCEL_MAX)
     a = min(max(a_cmd, a_prev - step), a_prev + step)
     if v <= 1e-9 and a_cmd <= 0.0:

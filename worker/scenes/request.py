@@ -144,8 +144,7 @@ def runtime_request(scene: Scene, task: str, *, request_id: str | None = None, n
 
 def runtime_frames(scene: Scene, vqa: bool = False) -> tuple[np.ndarray, tuple[int, ...]]:
     """Decoded frames (N_cam * 4, H, W, 3) uint8, camera-major, and the camera ids from names."""
-    # torch: worker.model.inputs imports it; producers build wire requests without it
-    from worker.model.inputs import decode_image
+    from worker.frames import decode_image
 
     images = scene.vqa_images if vqa else scene.images
     names = scene.vqa_camera_order if vqa else scene.camera_order

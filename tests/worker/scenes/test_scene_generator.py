@@ -500,12 +500,13 @@ def test_runtime_request_is_the_decoded_request(scenes_64):
 # Property test over arbitrary seeds (facts + planner only, no rendering)
 # ------------------------------------------------------------------------------------------
 
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 
 @settings(max_examples=300, deadline=None)
 @given(seed=st.integers(min_value=0, max_value=2**40))
+@example(seed=17_276_153_373)     # a smooth stop whose ramp stepped 0.87 > J dt (found by this test in CI-like runs)
 def test_planner_invariants_any_seed(seed):
     f, p = S.sample_facts(np.random.default_rng(seed))
     assert min(p.speed) >= 0.0

@@ -1,0 +1,169 @@
+"""Frames: compressed camera images -> one (N, H, W, 3) uint8 array, decoded in child processes.
+
+Why processes: on the H200 (32B shape, fp8-dflash2, 2026-12-01, `.run/contention.py`) the
+engine's batch of 16 scenes took 7.31 s alone and 8.67 s while the worker's intake decoded the
+next 16 scenes' JPEGs on threads of the same process (19.68 s with intake decoding nonstop): the
+engine thread waits for the interpreter lock behind the decoding threads. Here the pixels never
+touch the worker's interpreter: each frame is decoded by a process of `FrameDecoder`'s pool
+straight into its slot of a shared-memory file (/dev/shm), from which the worker copies the
+scene's frames array in one GIL-free copy (no pickled pixels) and drops the file at once, so
+/dev/shm holds only the scenes being decoded (a few hundred MB at full HD; where it has less
+room, e.g. Docker's default 64 MB, the files go to the temporary directory instead). A decoder
+process that dies (a crafted image that crashes the codec) fails its request (`bad_image`), and
+the pool restarts.
+
+This module imports no torch: the decoder processes start from it alone (forkserver).
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import multiprocessing
+import os
+import secrets
+import tempfile
+import threading
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+import numpy as np
+from PIL import Image
+
+__all__ = ["decode_image", "ALLOWED_IMAGE_FORMATS", "FrameDecoder", "FrameError", "DECODER", "DECODE_PROCESSES"]
+
+ALLOWED_IMAGE_FORMATS = {"JPEG", "PNG", "WEBP", "BMP"}
+DECODE_PROCESSES = min(16, os.cpu_count() or 1)
+"""Frames decoded at once (one per decoder process)."""
+SHM_DIR = "/dev/shm"
+
+
+def _scratch_dir(nbytes: int) -> str:
+    """/dev/shm when it has room for `nbytes` twice over, else the temporary directory."""
+    try:
+        st = os.statvfs(SHM_DIR)
+        if st.f_bavail * st.f_frsize >= 2 * nbytes:
+            return SHM_DIR
+    except OSError:
+        pass
+    return tempfile.gettempdir()
+
+
+def decode_image(data: bytes, max_pixels: int = 4096 * 4096, max_bytes: int = 32 << 20) -> np.ndarray:
+    """Compressed JPEG/PNG/WebP/BMP bytes -> (H, W, 3) uint8 RGB.
+
+    Bounded before decoding: bytes <= max_bytes and the header's width x height <= max_pixels,
+    so decompression bombs are refused without allocating. Raises ValueError with the reason.
+    """
+    if len(data) > max_bytes:
+        raise ValueError(f"image is {len(data)} bytes, limit {max_bytes}")
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            if im.format not in ALLOWED_IMAGE_FORMATS:
+                raise ValueError(f"image format {im.format} not accepted (JPEG, PNG, WebP, BMP)")
+            w, h = im.size
+            if w * h > max_pixels or w < 1 or h < 1:
+                raise ValueError(f"image is {w}x{h} pixels, limit {max_pixels}")
+            im.draft("RGB", (w, h))
+            arr = np.asarray(im.convert("RGB"))
+    except ValueError:
+        raise
+    except Exception as e:  # PIL raises many types for corrupt data
+        raise ValueError(f"image cannot be decoded ({type(e).__name__}: {e})") from None
+    if arr.shape[0] != h or arr.shape[1] != w:
+        raise ValueError("image decoded to an unexpected size")
+    return arr
+
+
+class FrameError(ValueError):
+    """Frame `index` (the request's image index; None: the request's images as a whole) could
+    not be decoded: `reason`."""
+
+    def __init__(self, index: int | None, reason: str):
+        super().__init__(reason)
+        self.index = index
+
+
+def _decode_into(path: str, slot: int, blob: bytes, size: tuple[int, int], max_pixels: int) -> str | None:
+    """In a decoder process: decode `blob` into slot `slot` of the (N, H, W, 3) file at `path`
+    -> None, or why it failed."""
+    try:
+        arr = decode_image(blob, max_pixels=max_pixels, max_bytes=len(blob) + 1)
+    except ValueError as exc:
+        return str(exc)
+    w, h = size
+    if arr.shape[:2] != (h, w):
+        return f"decoded to {arr.shape[1]}x{arr.shape[0]}, header says {w}x{h}"
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, np.ascontiguousarray(arr).data, slot * h * w * 3)
+    finally:
+        os.close(fd)
+    return None
+
+
+class FrameDecoder:
+    """The worker's pool of decoder processes (one per worker process, `DECODER`), started on
+    first use."""
+
+    def __init__(self, processes: int = DECODE_PROCESSES):
+        self.processes = processes
+        self._pool: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _executor(self) -> ProcessPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                ctx = multiprocessing.get_context("forkserver")
+                ctx.set_forkserver_preload([__name__])
+                self._pool = ProcessPoolExecutor(self.processes, mp_context=ctx)
+            return self._pool
+
+    def _restart(self, broken: ProcessPoolExecutor) -> None:
+        with self._lock:
+            if self._pool is broken:
+                self._pool = None
+        broken.shutdown(wait=False, cancel_futures=True)
+
+    def pids(self) -> list[int]:
+        """The decoder processes now running (tests)."""
+        pool = self._pool
+        return [p.pid for p in (pool._processes or {}).values()] if pool is not None else []
+
+    def decode(self, blobs: list[bytes], sizes: list[tuple[int, int]], slots: list[int],
+               max_pixels: int) -> np.ndarray:
+        """Image i (its header's (width, height) sizes[i], all equal) into slot slots[i] of one
+        (N, H, W, 3) uint8 array. Raises FrameError for the first failing image in request order."""
+        w, h = sizes[0]
+        n = len(blobs)
+        nbytes = n * h * w * 3
+        path = os.path.join(_scratch_dir(nbytes), f"alpamayo-frames-{os.getpid()}-{secrets.token_hex(8)}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            pool = self._executor()
+            try:
+                futures = [pool.submit(_decode_into, path, slots[i], blobs[i], sizes[i], max_pixels)
+                           for i in range(n)]
+                reasons = [f.result() for f in futures]
+            except BrokenProcessPool:
+                self._restart(pool)
+                raise FrameError(None, "an image decoder process died decoding this request's images") from None
+            for i, reason in enumerate(reasons):
+                if reason is not None:
+                    raise FrameError(i, reason)
+            with mmap.mmap(fd, nbytes, access=mmap.ACCESS_READ) as mm:
+                frames = np.frombuffer(mm, np.uint8).reshape(n, h, w, 3).copy()   # numpy copies without the GIL
+        finally:
+            os.close(fd)
+            os.unlink(path)
+        return frames
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+DECODER = FrameDecoder()
