@@ -68,6 +68,15 @@ class Recipe:
     # features. The CPU recipe's 600 scenes x 170 steps learn the light colour only this way
     # (measured in docs/demo-model.md: training them too named it in 52-55% of samples, not 99%)
     frozen: tuple[str, ...] = ()
+    ship_dtype: str = "float32"       # the weights' dtype in the written checkpoint (trained in fp32 either way)
+
+
+def shipped_config(config: dict, dtype: str) -> dict:
+    """config with every `dtype` entry (top level and sub-configs) set to the shipped weights' dtype."""
+    out = {k: (shipped_config(v, dtype) if isinstance(v, dict) else v) for k, v in config.items()}
+    if "dtype" in out:
+        out["dtype"] = dtype
+    return out
 
 
 RECIPES = {
@@ -102,6 +111,12 @@ RECIPES["gpu2"] = dataclasses.replace(
     RECIPES["gpu"], name="gpu2", image_size=(128, 128),
     train={**RECIPES["gpu"].train, "steps": 1250, "key_weights": (10.0, 15.0, 3.0), "lead_repeats": 2},
     refine={**RECIPES["gpu"].refine, "steps": 1500})
+# The next candidate (docs/demo-model.md: the 4-layer decoder does not learn to compare a lead's
+# 1-2 px shift across the four frames; a probe on frame differences reads it at 0.70-0.80): twice
+# the decoder depth, shipped in bf16 to stay under 40 MB. ~1.6x gpu2's joint step: two device
+# calls, `--resume-file F --stop-at-step 700`, then the same without --stop-at-step.
+RECIPES["gpu4"] = dataclasses.replace(
+    RECIPES["gpu2"], name="gpu4", dims={**RECIPES["gpu2"].dims, "layers": 8}, ship_dtype="bfloat16")
 SHIPPED_RECIPE = "gpu2"       # what worker/demo/shipped was built with (its quality.json says so too)
 
 
@@ -331,7 +346,8 @@ def _build(out: Path, seed: int, progress: bool, recipe: Recipe = RECIPES["cpu"]
                                      budget_s=None if budget_s is None else 0.3 * budget_s)
         lap("expert_refinement")
         del runtime, examples, contexts
-        save_checkpoint(model, config, out, max_shard_bytes=SHARD_BYTES)
+        save_checkpoint(model, shipped_config(config, recipe.ship_dtype), out, max_shard_bytes=SHARD_BYTES,
+                        dtype=getattr(torch, recipe.ship_dtype))
         del model
         lap("save")
         log(f"evaluating the written checkpoint on {len(held)} held-out scenes through AlpamayoRuntime.run")
@@ -348,7 +364,7 @@ def _build(out: Path, seed: int, progress: bool, recipe: Recipe = RECIPES["cpu"]
             "heldout_scene_seeds": heldout_seeds(seed, recipe),
             "vocab_size": tok.get_vocab_size(), "dims": {k: (list(v) if isinstance(v, tuple) else v)
                                                         for k, v in vars(dims).items()},
-            "parameters": n_params, "frozen": list(recipe.frozen),
+            "parameters": n_params, "frozen": list(recipe.frozen), "ship_dtype": recipe.ship_dtype,
             "trainable_parameters": n_trainable,
             "action_normalisation": norm,
             "train": {**summary, "lr": tc.lr, "warmup": tc.warmup, "expert_repeats": tc.expert_repeats,

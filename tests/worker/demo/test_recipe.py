@@ -76,3 +76,42 @@ def test_a_checkpoint_is_measured_on_scenes_rendered_at_its_recorded_size(tmp_pa
     build.measure_heldout_bars(tmp_path, tmp_path, 2)
     assert [sc.scene_id for sc in seen] == [generate_scene(s).scene_id for s in (50000, 50001)]
     assert {Image.open(io.BytesIO(sc.images[0])).size for sc in seen} == {(128, 128)}
+
+
+def test_a_bf16_recipe_ships_bf16_weights_that_the_fp32_runtime_reads(tmp_path):
+    """`gpu4` (twice the decoder depth) ships bf16 to stay under the 40 MB budget: the written
+    shards hold bf16, every config dtype says so, and the CPU's fp32 model reads them back as the
+    trained weights rounded to bf16."""
+    import torch
+
+    from worker.demo.layout import DEFAULT_CORPUS, build_tokenizer, make_config, write_support_files
+    from worker.model.checkpoint import load_model, save_checkpoint, scan_shards
+    from worker.model.config import AlpamayoConfig
+    from worker.model.modules import Alpamayo2
+
+    gpu4 = build.RECIPES["gpu4"]
+    assert gpu4.ship_dtype == "bfloat16" and gpu4.dims["layers"] == 2 * build.RECIPES["gpu2"].dims["layers"]
+    assert build.RECIPES[build.SHIPPED_RECIPE].ship_dtype == "float32"
+    tok = build_tokenizer([DEFAULT_CORPUS], vocab_size=400)
+    config = make_config(tok)
+    torch.manual_seed(0)
+    model = Alpamayo2(AlpamayoConfig.from_dict(config))
+    shipped = build.shipped_config(config, gpu4.ship_dtype)
+    save_checkpoint(model, shipped, tmp_path, dtype=torch.bfloat16)
+    write_support_files(tmp_path, tok, shipped)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    dtypes = []
+
+    def collect(d):
+        for k, v in d.items():
+            if k == "dtype":
+                dtypes.append(v)
+            elif isinstance(v, dict):
+                collect(v)
+    collect(saved)
+    assert dtypes and set(dtypes) == {"bfloat16"}
+    assert {info.dtype for info in scan_shards(tmp_path, "t").values() if info.dtype.startswith(("F", "BF"))} == {"BF16"}
+    loaded, _ = load_model(tmp_path, dtype=torch.float32)
+    want = dict(model.named_parameters())
+    for name, p in loaded.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, want[name].detach().to(torch.bfloat16).float()), name
