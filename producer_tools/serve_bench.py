@@ -77,19 +77,23 @@ def engine_seconds(base_url: str) -> dict[str, float]:
     """The worker's engine-thread seconds per phase and its batch count, from its Prometheus
     metrics -> {"infer": s, "output": s, "batches": n}."""
     out = {phase: metric_sum(base_url, f'alpamayo_engine_seconds_total{{phase="{phase}"') for phase in ENGINE_PHASES}
-    return {**out, "batches": metric_sum(base_url, "alpamayo_batch_size_count")}
+    return {**out, "batches": metric_sum(base_url, "alpamayo_batch_size_count"),
+            "scenes": metric_sum(base_url, "alpamayo_batch_size_sum")}
 
 
 def engine_split(engine: dict[str, float], wall_s: float, alone_infer_s: float, alone_batches: int,
                  untimed: tuple[float, float] | None = None) -> str:
-    """"infer 9.8 + output 0.1 s per batch, busy 83% of the run; alone: infer 9.6 s per batch": an
-    engine slower per batch inside the worker points at contention for the host, a low busy
+    """"10 batches of 16.0 scenes on average; infer 9.8 + output 0.1 s per batch, busy 83% of the
+    run; ...; alone: infer 9.6 s per batch": fewer scenes per batch than --batch (a partial batch
+    at the start) costs a batch's time; an engine slower per batch inside the worker points at
+    contention for the host, a low busy
     fraction at time lost between batches (the run's clock starts when the harness sees the worker
     ready, polled, so a short run can show a little over 100%). `untimed`: seconds per batch of
     infer outside the timed stages (Kafka path, alone)."""
     n = max(engine["batches"], 1.0)
     busy = (engine["infer"] + engine["output"]) / max(wall_s, 1e-9)
-    text = (f"infer {engine['infer'] / n:.2f} + output {engine['output'] / n:.2f} s per batch, busy {busy:.0%} "
+    text = (f"{engine['batches']:.0f} batches of {engine.get('scenes', 0.0) / n:.1f} scenes on average; "
+            f"infer {engine['infer'] / n:.2f} + output {engine['output'] / n:.2f} s per batch, busy {busy:.0%} "
             f"of the run (host work of the next batch, prepared meanwhile: {engine.get('prepare', 0.0) / n:.2f} s "
             f"per batch); alone: infer {alone_infer_s / max(alone_batches, 1):.2f} s per batch")
     if untimed:

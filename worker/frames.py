@@ -125,6 +125,13 @@ class FrameDecoder:
                 self._pool = None
         broken.shutdown(wait=False, cancel_futures=True)
 
+    def start(self) -> None:
+        """Start every decoder process now (the worker calls this while its model loads, so the
+        first request does not wait for them)."""
+        pool = self._executor()
+        for f in [pool.submit(os.getpid) for _ in range(self.processes)]:
+            f.result()
+
     def pids(self) -> list[int]:
         """The decoder processes now running (tests)."""
         pool = self._pool

@@ -43,9 +43,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
-from schemas import DeadLetter, InferResult, dead_letter_key, encode_result, result_key
+from schemas import ContractError, DeadLetter, ErrorCode, InferResult, dead_letter_key, encode_result, result_key
 from worker.output_limits import check_result_fits, fit_dead_letter
 
 __all__ = ["TP", "Output", "OffsetTracker", "Publisher", "PublishError", "COMMIT_RETRY_S", "result_output",
@@ -109,6 +110,46 @@ def dead_letter_output(tp: TP, offset: int, epoch: int, topic: str, dl: DeadLett
     dl, value, headers = fit_dead_letter(dl, max_bytes, content_type)
     return Output(tp, offset, epoch, topic, dead_letter_key(dl), value, headers, error_code=dl.error_code.value,
                   request_id=dl.request_id)
+
+
+# the request field an engine error code points at in the dead letter
+FIELD_FOR_CODE = {"bad_image": "$.images", "missing_egomotion": "$.egomotion",
+                  "missing_future_egomotion": "$.future_egomotion", "k_not_served": "$.num_traj_samples"}
+
+
+def job_output(job, res, start: float, engine, settings, limits) -> tuple[Output, DeadLetter | None]:
+    """A finished job's output: its result record (`engine.to_result`), or its dead letter when the
+    engine failed (res an exception, or a SceneResult with an error), the result is unusable or it
+    does not fit its topic (`limits`: OutputLimits); the dead letter is returned too (to count)."""
+    s = settings
+    err: BaseException | None = None
+    if isinstance(res, BaseException):
+        err = ContractError(ErrorCode.INFERENCE_FAILED, "$", f"{type(res).__name__}: {res}"[:1000])
+    elif getattr(res, "error", None):
+        code, msg = res.error
+        try:
+            code = ErrorCode(code)
+        except ValueError:
+            code = ErrorCode.INFERENCE_FAILED
+        err = ContractError(code, FIELD_FOR_CODE.get(code.value, "$"), str(msg)[:1000])
+    if err is None:
+        try:
+            res.timings_ms["image_prep"] = res.timings_ms.get("image_prep", 0.0) + job.image_prep_ms
+            lineage = job.lineage(s.worker_id)
+            queue_ms = max(0.0, (start - job.origin_at) * 1000.0)
+            total_ms = max(queue_ms, (time.time() - job.origin_at) * 1000.0)
+            result = engine.to_result(job.request, res, lineage, queue_ms, total_ms, job.warnings)
+            return result_output(job.tp, job.offset, job.epoch, s.result_topic, result, limits.result_bytes,
+                                 s.result_content_type, s.review_topic, s.review_threshold), None
+        except ContractError as exc:        # oversize: the result does not fit its topic
+            err = exc
+        except ValueError as exc:
+            err = ContractError(ErrorCode.INFERENCE_FAILED, "$", str(exc)[:1000])
+        except Exception as exc:
+            err = ContractError(ErrorCode.INTERNAL_ERROR, "$", f"{type(exc).__name__}: {exc}"[:1000])
+    dl = job.dead_letter(err, s.worker_id)
+    return dead_letter_output(job.tp, job.offset, job.epoch, s.dead_letter_topic, dl, limits.dead_letter_bytes,
+                              s.result_content_type), dl
 
 
 # --------------------------------------------------------------------------------------------

@@ -41,17 +41,18 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 
-from schemas import ContractError, DeadLetter, ErrorCode
+from schemas import DeadLetter
 from worker.batcher import Batcher
 from worker.config import ConfigError, Settings
 from worker.errors import Refusal
+from worker.frames import DECODER
 from worker.http import HealthState, SidePort
 from worker.intake import Intake, Job
 from worker.kafka_clients import (PartitionProducers, consumer_kwargs, instance_id, kafka_preflight, producer_kwargs,
                                   security_kwargs)
 from worker.metrics import WorkerMetrics
 from worker.output_limits import OutputLimits, producer_max_request_size, read_output_limits
-from worker.publisher import OffsetTracker, Output, Publisher, PublishError, dead_letter_output, result_output
+from worker.publisher import OffsetTracker, Output, Publisher, PublishError, dead_letter_output, job_output
 from worker.stats import StatsLog
 
 __all__ = ["WorkerService", "load_engine", "EXIT_OK", "EXIT_FAILED", "EXIT_REFUSED", "longest_stop_s"]
@@ -64,8 +65,6 @@ MONITOR_INTERVAL_S = 2.0
 INTAKE_THREADS = 4              # scenes in intake at once; their pixels decode in worker/frames.py's processes
 FINAL_FLUSH_EXTRA_S = 5.0       # the drain's last flush may run this long past the drain timeout
 CLIENT_CLOSE_S = 15.0           # each Kafka client (consumer, then producer(s)) gets this long to close
-_FIELD_FOR_CODE = {"bad_image": "$.images", "missing_egomotion": "$.egomotion",
-                   "missing_future_egomotion": "$.future_egomotion", "k_not_served": "$.num_traj_samples"}
 
 
 def longest_stop_s(drain_timeout_s: float) -> float:
@@ -197,6 +196,7 @@ class WorkerService:
         # -- engine: load and warm on the engine thread --------------------------------------
         self.engine_busy = True
         load = loop.run_in_executor(self._engine_pool, self.engine_loader, self.engine, s)
+        loop.run_in_executor(self._intake_pool, DECODER.start)     # the image decoder processes, meanwhile
         stop_wait = asyncio.ensure_future(self._stop.wait())
         await asyncio.wait({load, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
         if not load.done():
@@ -464,22 +464,18 @@ class WorkerService:
         finally:
             if not full.done():
                 full.cancel()                    # the batch ended first (or this loop stops): nothing was taken
-        if not full.done() or full.cancelled():
-            return None
-        picked = full.result()
+        picked = full.result() if full.done() and not full.cancelled() else None
         if picked is None:
             return None
         self._ahead = picked[1]
         self.metrics.queue_depth.set(self.waiting())
-        scenes = [j.scene for j in picked[1]]
 
-        def timed():
-            t0 = time.perf_counter()
+        def timed(t0: float):
             try:
-                return prepare(scenes)
+                return prepare([j.scene for j in picked[1]])
             finally:
                 self.metrics.engine_seconds.labels(phase="prepare").inc(time.perf_counter() - t0)
-        return picked, loop.run_in_executor(self._prep_pool, timed)
+        return picked, loop.run_in_executor(self._prep_pool, timed, time.perf_counter())
 
     def _run_batch(self, jobs: list[Job], prepared=None) -> list[Output]:
         """Engine thread: infer (the batch `prepared` ahead when given), then build and encode
@@ -503,43 +499,15 @@ class WorkerService:
                     except Exception as one:
                         results.append(one)
         t1 = time.perf_counter()
-        outputs = [self._output(job, res, start) for job, res in zip(jobs, results, strict=True)]
+        outputs = []
+        for job, res in zip(jobs, results, strict=True):
+            out, dl = job_output(job, res, start, self.engine, self.settings, self.output_limits)
+            if dl is not None:
+                self.stats.dead_letter(dl)
+            outputs.append(out)
         self.metrics.engine_seconds.labels(phase="infer").inc(t1 - t0)
         self.metrics.engine_seconds.labels(phase="output").inc(time.perf_counter() - t1)
         return outputs
-
-    def _output(self, job: Job, res, start: float) -> Output:
-        s = self.settings
-        err: BaseException | None = None
-        if isinstance(res, BaseException):
-            err = ContractError(ErrorCode.INFERENCE_FAILED, "$", f"{type(res).__name__}: {res}"[:1000])
-        elif getattr(res, "error", None):
-            code, msg = res.error
-            try:
-                code = ErrorCode(code)
-            except ValueError:
-                code = ErrorCode.INFERENCE_FAILED
-            err = ContractError(code, _FIELD_FOR_CODE.get(code.value, "$"), str(msg)[:1000])
-        if err is None:
-            try:
-                res.timings_ms["image_prep"] = res.timings_ms.get("image_prep", 0.0) + job.image_prep_ms
-                lineage = job.lineage(s.worker_id)
-                queue_ms = max(0.0, (start - job.origin_at) * 1000.0)
-                total_ms = max(queue_ms, (time.time() - job.origin_at) * 1000.0)
-                result = self.engine.to_result(job.request, res, lineage, queue_ms, total_ms, job.warnings)
-                return result_output(job.tp, job.offset, job.epoch, s.result_topic, result,
-                                     self.output_limits.result_bytes, s.result_content_type,
-                                     s.review_topic, s.review_threshold)
-            except ContractError as exc:        # oversize: the result does not fit its topic
-                err = exc
-            except ValueError as exc:
-                err = ContractError(ErrorCode.INFERENCE_FAILED, "$", str(exc)[:1000])
-            except Exception as exc:
-                err = ContractError(ErrorCode.INTERNAL_ERROR, "$", f"{type(exc).__name__}: {exc}"[:1000])
-        dl = job.dead_letter(err, s.worker_id)
-        self.stats.dead_letter(dl)
-        return dead_letter_output(job.tp, job.offset, job.epoch, s.dead_letter_topic, dl,
-                                  self.output_limits.dead_letter_bytes, s.result_content_type)
 
     # ------------------------------------------------------------------ monitor
     async def _monitor_loop(self) -> None:
