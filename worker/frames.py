@@ -1,10 +1,10 @@
 """Frames: compressed camera images -> one (N, H, W, 3) uint8 array, decoded in child processes.
 
-Why processes: on the H200 (32B shape, fp8-dflash2, 2026-12-01, `.run/contention.py`) the
+Why processes: on the H200 (32B shape, fp8-dflash2, 2026-12-01, docs/benchmarks.md) the
 engine's batch of 16 scenes took 7.31 s alone and 8.67 s while the worker's intake decoded the
 next 16 scenes' JPEGs on threads of the same process (19.68 s with intake decoding nonstop): the
-engine thread waits for the interpreter lock behind the decoding threads. Here the pixels never
-touch the worker's interpreter: each frame is decoded by a process of `FrameDecoder`'s pool
+engine thread waits for the interpreter lock behind the decoding threads. Here no decoding runs
+in the worker's interpreter: each frame is decoded by a process of `FrameDecoder`'s pool
 straight into its slot of a shared-memory file (/dev/shm), from which the worker copies the
 scene's frames array in one GIL-free copy (no pickled pixels) and drops the file at once, so
 /dev/shm holds only the scenes being decoded (a few hundred MB at full HD; where it has less
