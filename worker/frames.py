@@ -5,8 +5,9 @@ engine's batch of 16 scenes took 7.31 s alone and 8.67 s while the worker's inta
 next 16 scenes' JPEGs on threads of the same process (19.68 s with intake decoding nonstop): the
 engine thread waits for the interpreter lock behind the decoding threads. Here no decoding runs
 in the worker's interpreter: each frame is decoded by a process of `FrameDecoder`'s pool
-straight into its slot of a shared-memory file (/dev/shm), from which the worker copies the
-scene's frames array in one GIL-free copy (no pickled pixels) and drops the file at once, so
+straight into its slot of a shared-memory file (/dev/shm), from which the worker reads the
+scene's frames array (file reads release the GIL; no pickled pixels; a CPU runtime's resize
+frame by frame) and drops the file at once, so
 /dev/shm holds only the scenes being decoded (a few hundred MB at full HD; where it has less
 room, e.g. Docker's default 64 MB, the files go to the temporary directory instead). A decoder
 process that dies (a crafted image that crashes the codec) fails its request (`bad_image`), and
@@ -18,7 +19,6 @@ This module imports no torch: the decoder processes start from it alone (forkser
 from __future__ import annotations
 
 import io
-import mmap
 import multiprocessing
 import os
 import secrets
@@ -102,6 +102,15 @@ def _decode_into(path: str, slot: int, blob: bytes, size: tuple[int, int], max_p
     return None
 
 
+def _read_into(f, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        got = f.readinto(view[done:])
+        if not got:
+            raise FrameError(None, "the decoded frames were cut short")
+        done += got
+
+
 class FrameDecoder:
     """The worker's pool of decoder processes (one per worker process, `DECODER`), started on
     first use."""
@@ -137,10 +146,12 @@ class FrameDecoder:
         pool = self._pool
         return [p.pid for p in (pool._processes or {}).values()] if pool is not None else []
 
-    def decode(self, blobs: list[bytes], sizes: list[tuple[int, int]], slots: list[int],
-               max_pixels: int) -> np.ndarray:
+    def decode(self, blobs: list[bytes], sizes: list[tuple[int, int]], slots: list[int], max_pixels: int,
+               shrink=None) -> np.ndarray:
         """Image i (its header's (width, height) sizes[i], all equal) into slot slots[i] of one
-        (N, H, W, 3) uint8 array. Raises FrameError for the first failing image in request order."""
+        (N, H, W, 3) uint8 array; with `shrink` (frame -> smaller frame: the CPU runtime's resize),
+        each frame is shrunk as it is read, so only one full-size frame is ever in this process's
+        memory. Raises FrameError for the first failing image in request order."""
         w, h = sizes[0]
         n = len(blobs)
         nbytes = n * h * w * 3
@@ -159,8 +170,17 @@ class FrameDecoder:
             for i, reason in enumerate(reasons):
                 if reason is not None:
                     raise FrameError(i, reason)
-            with mmap.mmap(fd, nbytes, access=mmap.ACCESS_READ) as mm:
-                frames = np.frombuffer(mm, np.uint8).reshape(n, h, w, 3).copy()   # numpy copies without the GIL
+            with open(os.dup(fd), "rb", buffering=0) as f:          # reads release the GIL
+                if shrink is None:
+                    frames = np.empty((n, h, w, 3), np.uint8)
+                    _read_into(f, memoryview(frames).cast("B"))
+                else:
+                    shrunk = []
+                    for _ in range(n):                     # a fresh frame each: shrink may keep a small one as is
+                        frame = np.empty((h, w, 3), np.uint8)
+                        _read_into(f, memoryview(frame).cast("B"))
+                        shrunk.append(shrink(frame))
+                    frames = np.stack(shrunk)
         finally:
             os.close(fd)
             os.unlink(path)

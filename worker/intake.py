@@ -262,12 +262,10 @@ class Intake:
         rank = {c: r for r, c in enumerate(order)}
         slots = [rank[i // nf] * nf + i % nf for i in range(len(blobs))]
         try:
-            frames = DECODER.decode(blobs, sizes, slots, self.max_image_pixels)
+            frames = DECODER.decode(blobs, sizes, slots, self.max_image_pixels, self.shrink_frame)
         except FrameError as exc:
             field = "$.images" if exc.index is None else f"$.images[{exc.index}]"
             raise ContractError(ErrorCode.BAD_IMAGE, field, str(exc)) from None
-        if self.shrink_frame is not None:
-            frames = np.stack([self.shrink_frame(f) for f in frames])
         return frames, tuple(cams[c] for c in order)
 
     # ------------------------------------------------------------------ the runtime's request
