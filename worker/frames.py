@@ -24,6 +24,7 @@ import os
 import secrets
 import tempfile
 import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -36,6 +37,8 @@ ALLOWED_IMAGE_FORMATS = {"JPEG", "PNG", "WEBP", "BMP"}
 DECODE_PROCESSES = min(16, os.cpu_count() or 1)
 """Frames decoded at once (one per decoder process)."""
 SHM_DIR = "/dev/shm"
+STALE_SCRATCH_S = 600.0               # a scratch file this old is a killed worker's (decoding takes < 1 s)
+SCRATCH_PREFIX = "alpamayo-frames-"
 
 
 def _scratch_dir(nbytes: int) -> str:
@@ -136,7 +139,20 @@ class FrameDecoder:
 
     def start(self) -> None:
         """Start every decoder process now (the worker calls this while its model loads, so the
-        first request does not wait for them)."""
+        first request does not wait for them), and remove the scratch files a killed worker left
+        (older than STALE_SCRATCH_S: files of workers running beside this one are seconds old)."""
+        now = time.time()
+        for d in {SHM_DIR, tempfile.gettempdir()}:
+            try:
+                names = [n for n in os.listdir(d) if n.startswith(SCRATCH_PREFIX)]
+            except OSError:
+                continue
+            for name in names:
+                try:
+                    if now - os.stat(os.path.join(d, name)).st_mtime > STALE_SCRATCH_S:
+                        os.unlink(os.path.join(d, name))
+                except OSError:
+                    pass
         pool = self._executor()
         for f in [pool.submit(os.getpid) for _ in range(self.processes)]:
             f.result()
@@ -155,7 +171,7 @@ class FrameDecoder:
         w, h = sizes[0]
         n = len(blobs)
         nbytes = n * h * w * 3
-        path = os.path.join(_scratch_dir(nbytes), f"alpamayo-frames-{os.getpid()}-{secrets.token_hex(8)}")
+        path = os.path.join(_scratch_dir(nbytes), f"{SCRATCH_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, nbytes)

@@ -5,6 +5,7 @@ import dataclasses
 import hashlib
 import io
 import os
+import time
 
 import msgspec
 import numpy as np
@@ -189,6 +190,24 @@ def test_a_decoder_process_that_dies_fails_its_request_only_and_the_pool_restart
     job = run(intake, encode(req_dict()))                      # served again by a new pool
     assert isinstance(job, Job) and int(job.scene.frames[5][0, 0, 0]) == 5
     assert not [f for f in os.listdir(SHM_DIR) if f.startswith(f"alpamayo-frames-{os.getpid()}-")]
+
+
+def test_the_decoder_removes_scratch_files_a_killed_worker_left(tmp_path, monkeypatch):
+    """A worker killed while decoding leaves its scratch file behind; the next worker's start
+    removes files older than STALE_SCRATCH_S and keeps a running neighbour's fresh ones."""
+    import worker.frames as frames
+
+    monkeypatch.setattr(frames, "SHM_DIR", str(tmp_path))
+    stale, fresh = (tmp_path / f"{frames.SCRATCH_PREFIX}{n}" for n in ("1-dead", "2-busy"))
+    for f in (stale, fresh):
+        f.write_bytes(b"\0" * 64)
+    other = tmp_path / "someone-elses"
+    other.write_bytes(b"keep")
+    old = time.time() - frames.STALE_SCRATCH_S - 5
+    os.utime(stale, (old, old))
+    os.utime(other, (old, old))
+    frames.DECODER.start()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([fresh.name, other.name])
 
 
 def test_too_many_pixels_is_oversize_before_decoding(roots):
