@@ -24,7 +24,6 @@ import os
 import secrets
 import tempfile
 import threading
-import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -37,8 +36,38 @@ ALLOWED_IMAGE_FORMATS = {"JPEG", "PNG", "WEBP", "BMP"}
 DECODE_PROCESSES = min(16, os.cpu_count() or 1)
 """Frames decoded at once (one per decoder process)."""
 SHM_DIR = "/dev/shm"
-STALE_SCRATCH_S = 600.0               # a scratch file this old is a killed worker's (decoding takes < 1 s)
-SCRATCH_PREFIX = "alpamayo-frames-"
+SCRATCH_PREFIX = "alpamayo-frames-"  # + the writing worker's process tag (`process_tag`) + "-" + a random token
+
+
+def process_tag(pid: int) -> str | None:
+    """"pid.start-time" of a running process (start time in clock ticks since boot, from
+    /proc/<pid>/stat), so a later process that reuses the pid (a restarted container's PID 1)
+    has another tag; None when no such process runs (or /proc cannot tell)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f"{pid}.{f.read().rsplit(')', 1)[1].split()[19]}"
+    except (OSError, IndexError):
+        return None
+
+
+def remove_orphan_scratch() -> int:
+    """Delete the scratch files of workers that no longer run (killed while decoding: nothing
+    else removes them); files of workers running beside this one stay. -> how many."""
+    removed = 0
+    for d in {SHM_DIR, tempfile.gettempdir()}:
+        try:
+            names = [n for n in os.listdir(d) if n.startswith(SCRATCH_PREFIX)]
+        except OSError:
+            continue
+        for name in names:
+            tag = name[len(SCRATCH_PREFIX):].rsplit("-", 1)[0]
+            try:
+                if process_tag(int(tag.split(".")[0])) != tag:
+                    os.unlink(os.path.join(d, name))
+                    removed += 1
+            except (OSError, ValueError):
+                pass
+    return removed
 
 
 def _scratch_dir(nbytes: int) -> str:
@@ -139,20 +168,8 @@ class FrameDecoder:
 
     def start(self) -> None:
         """Start every decoder process now (the worker calls this while its model loads, so the
-        first request does not wait for them), and remove the scratch files a killed worker left
-        (older than STALE_SCRATCH_S: files of workers running beside this one are seconds old)."""
-        now = time.time()
-        for d in {SHM_DIR, tempfile.gettempdir()}:
-            try:
-                names = [n for n in os.listdir(d) if n.startswith(SCRATCH_PREFIX)]
-            except OSError:
-                continue
-            for name in names:
-                try:
-                    if now - os.stat(os.path.join(d, name)).st_mtime > STALE_SCRATCH_S:
-                        os.unlink(os.path.join(d, name))
-                except OSError:
-                    pass
+        first request does not wait for them), after removing the scratch files of killed workers."""
+        remove_orphan_scratch()
         pool = self._executor()
         for f in [pool.submit(os.getpid) for _ in range(self.processes)]:
             f.result()
@@ -171,7 +188,8 @@ class FrameDecoder:
         w, h = sizes[0]
         n = len(blobs)
         nbytes = n * h * w * 3
-        path = os.path.join(_scratch_dir(nbytes), f"{SCRATCH_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
+        tag = process_tag(os.getpid()) or str(os.getpid())
+        path = os.path.join(_scratch_dir(nbytes), f"{SCRATCH_PREFIX}{tag}-{secrets.token_hex(8)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, nbytes)

@@ -5,7 +5,6 @@ import dataclasses
 import hashlib
 import io
 import os
-import time
 
 import msgspec
 import numpy as np
@@ -194,20 +193,22 @@ def test_a_decoder_process_that_dies_fails_its_request_only_and_the_pool_restart
 
 def test_the_decoder_removes_scratch_files_a_killed_worker_left(tmp_path, monkeypatch):
     """A worker killed while decoding leaves its scratch file behind; the next worker's start
-    removes files older than STALE_SCRATCH_S and keeps a running neighbour's fresh ones."""
+    removes the files of processes that no longer run (also a reused pid: another start time)
+    and keeps those of workers running beside it."""
+    import subprocess
+    import sys
+
     import worker.frames as frames
 
     monkeypatch.setattr(frames, "SHM_DIR", str(tmp_path))
-    stale, fresh = (tmp_path / f"{frames.SCRATCH_PREFIX}{n}" for n in ("1-dead", "2-busy"))
-    for f in (stale, fresh):
-        f.write_bytes(b"\0" * 64)
-    other = tmp_path / "someone-elses"
-    other.write_bytes(b"keep")
-    old = time.time() - frames.STALE_SCRATCH_S - 5
-    os.utime(stale, (old, old))
-    os.utime(other, (old, old))
-    frames.DECODER.start()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([fresh.name, other.name])
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    own = frames.process_tag(os.getpid())
+    names = {"dead": f"{frames.SCRATCH_PREFIX}{int(dead.stdout)}.1-aa", "reused": f"{frames.SCRATCH_PREFIX}{os.getpid()}.1-bb",
+             "live": f"{frames.SCRATCH_PREFIX}{own}-cc", "other": "someone-elses"}
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"x")
+    assert own and frames.remove_orphan_scratch() == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names["live"], names["other"]])
 
 
 def test_too_many_pixels_is_oversize_before_decoding(roots):
