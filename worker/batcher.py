@@ -13,8 +13,9 @@ Policy
   a backlog the first batch is then as full as the later ones, not the few scenes decoded in the
   first ``max_batch_wait_ms`` (measured on the H200: a partial first batch cost one batch's time in
   ten).
-* ``get(full_only=True)`` returns only full groups: the worker picks the next batch ahead, while
-  the engine runs the current one, only when waiting could not have filled it further.
+* ``get(full_only=True)`` returns the next batch only when it is a full group: the worker picks
+  the next batch ahead, while the engine runs the current one, only when waiting could not have
+  filled it further, and never past an older group that is ready by time.
 
 The engine pulls (:meth:`Batcher.get`) only when it is free, so while a batch runs the next one
 fills up; jobs that already waited through a batch are ready at once.
@@ -107,23 +108,24 @@ class Batcher(Generic[T]):
         self._wake()
 
     # ------------------------------------------------------------------ policy
-    def _ready(self, q: deque, now: float, full_only: bool = False) -> bool:
+    def _ready(self, q: deque, now: float) -> bool:
         if self._flushing or len(q) >= self.max_batch_size:
             return True
         waited = now - q[0][0]
-        if full_only or waited < self.max_wait_s:
+        if waited < self.max_wait_s:
             return False
         return waited >= self.max_wait_s + INCOMING_WAIT_S or not self.incoming()
 
     def pick(self, now: float | None = None, full_only: bool = False) -> tuple[Hashable, list[T]] | None:
-        """The next batch if one is ready (full_only: only a full group, or any while flushing):
-        (group key, items); else None."""
+        """The next batch if one is ready: (group key, items); else None. full_only: only when
+        that next batch is a full group (or any while flushing), so picking ahead never takes a
+        full group past an older one that is ready by time."""
         now = self.clock() if now is None else now
         best = None
         for k, q in self._groups.items():
-            if q and self._ready(q, now, full_only) and (best is None or q[0][:2] < self._groups[best][0][:2]):
+            if q and self._ready(q, now) and (best is None or q[0][:2] < self._groups[best][0][:2]):
                 best = k
-        if best is None:
+        if best is None or (full_only and not self._flushing and len(self._groups[best]) < self.max_batch_size):
             return None
         q = self._groups[best]
         items = [q.popleft()[2] for _ in range(min(self.max_batch_size, len(q)))]
@@ -161,7 +163,7 @@ class Batcher(Generic[T]):
                 return picked
             if self._closed and self._size == 0:
                 return None
-            deadline = None if full_only else self.next_deadline()
+            deadline = None if full_only else self.next_deadline()     # time never makes a full group the next
             self._event.clear()
             timeout = None if deadline is None else max(0.0, deadline - self.clock())
             try:

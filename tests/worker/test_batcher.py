@@ -191,6 +191,21 @@ def test_full_only_picks_nothing_but_a_full_group():
     assert names(b.pick(now=0.0, full_only=True)) == ["c"]
 
 
+def test_picking_ahead_never_takes_a_full_group_past_an_older_one_ready_by_time():
+    """The demo showed it: a full trajectory group picked ahead again and again while two vqa
+    requests, older and past their wait, waited (their latency 1.7 s -> 5.8 s)."""
+    b = make(size=2, wait_ms=100)
+    b.put(J("v", task="vqa"), now=0.0)
+    b.put(J("t0"), now=0.05)
+    b.put(J("t1"), now=0.06)
+    assert names(b.pick(now=0.07, full_only=True)) == ["t0", "t1"]   # vqa not ready yet: the full group goes
+    b.put(J("t2"), now=0.08)
+    b.put(J("t3"), now=0.09)
+    assert b.pick(now=0.2, full_only=True) is None                 # vqa is ready by time and older
+    assert names(b.pick(now=0.2)) == ["v"]                         # it goes first when the engine asks
+    assert names(b.pick(now=0.2, full_only=True)) == ["t2", "t3"]
+
+
 async def test_a_cancelled_full_only_wait_takes_nothing():
     b = Batcher(lambda j: (j.task, j.k), max_batch_size=2, max_wait_ms=0)
     waiter = asyncio.create_task(b.get(full_only=True))
