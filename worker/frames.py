@@ -24,6 +24,7 @@ import os
 import secrets
 import tempfile
 import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -37,6 +38,7 @@ DECODE_PROCESSES = min(16, os.cpu_count() or 1)
 """Frames decoded at once (one per decoder process)."""
 SHM_DIR = "/dev/shm"
 SCRATCH_PREFIX = "alpamayo-frames-"  # + the writing worker's process tag (`process_tag`) + "-" + a random token
+ORPHAN_AFTER_S = 60.0                # a scratch file lives < 1 s; an older one whose writer is gone is an orphan
 
 
 def process_tag(pid: int) -> str | None:
@@ -52,8 +54,9 @@ def process_tag(pid: int) -> str | None:
 
 def remove_orphan_scratch() -> int:
     """Delete the scratch files of workers that no longer run (killed while decoding: nothing
-    else removes them); files of workers running beside this one stay. -> how many."""
-    removed = 0
+    else removes them) once ORPHAN_AFTER_S old; files of workers running beside this one stay
+    (also those of another PID namespace sharing /dev/shm, by their age). -> how many."""
+    removed, now = 0, time.time()
     for d in {SHM_DIR, tempfile.gettempdir()}:
         try:
             names = [n for n in os.listdir(d) if n.startswith(SCRATCH_PREFIX)]
@@ -61,9 +64,10 @@ def remove_orphan_scratch() -> int:
             continue
         for name in names:
             tag = name[len(SCRATCH_PREFIX):].rsplit("-", 1)[0]
+            path = os.path.join(d, name)
             try:
-                if process_tag(int(tag.split(".")[0])) != tag:
-                    os.unlink(os.path.join(d, name))
+                if process_tag(int(tag.split(".")[0])) != tag and now - os.stat(path).st_mtime > ORPHAN_AFTER_S:
+                    os.unlink(path)
                     removed += 1
             except (OSError, ValueError):
                 pass

@@ -194,7 +194,7 @@ def test_a_decoder_process_that_dies_fails_its_request_only_and_the_pool_restart
 def test_the_decoder_removes_scratch_files_a_killed_worker_left(tmp_path, monkeypatch):
     """A worker killed while decoding leaves its scratch file behind; the next worker's start
     removes the files of processes that no longer run (also a reused pid: another start time)
-    and keeps those of workers running beside it."""
+    once ORPHAN_AFTER_S old, and keeps those of workers running beside it."""
     import subprocess
     import sys
 
@@ -204,11 +204,15 @@ def test_the_decoder_removes_scratch_files_a_killed_worker_left(tmp_path, monkey
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     own = frames.process_tag(os.getpid())
     names = {"dead": f"{frames.SCRATCH_PREFIX}{int(dead.stdout)}.1-aa", "reused": f"{frames.SCRATCH_PREFIX}{os.getpid()}.1-bb",
-             "live": f"{frames.SCRATCH_PREFIX}{own}-cc", "other": "someone-elses"}
-    for name in names.values():
+             "live": f"{frames.SCRATCH_PREFIX}{own}-cc", "other": "someone-elses",
+             "dead, fresh": f"{frames.SCRATCH_PREFIX}{int(dead.stdout)}.1-dd"}
+    old = os.stat(tmp_path).st_mtime - frames.ORPHAN_AFTER_S - 5
+    for key, name in names.items():
         (tmp_path / name).write_bytes(b"x")
+        if key != "dead, fresh":
+            os.utime(tmp_path / name, (old, old))
     assert own and frames.remove_orphan_scratch() == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names["live"], names["other"]])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names["live"], names["other"], names["dead, fresh"]])
 
 
 def test_too_many_pixels_is_oversize_before_decoding(roots):
