@@ -25,8 +25,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import schemas as S
-from producer_tools.serve_bench import build_requests
+from producer_tools.serve_bench import build_requests, in_process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,22 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--image-size", default="1080x1920", help="HxW of every frame")
     ap.add_argument("--nonstop", action="store_true", help="also with intake processing records without pause")
     args = ap.parse_args(argv)
-    from worker.config import load_settings
-    from worker.engine import Engine, default_seed
-    from worker.intake import Intake, RawRecord
-    from worker.service import INTAKE_THREADS, load_engine
+    from worker.service import INTAKE_THREADS
 
     h, w = (int(x) for x in args.image_size.lower().split("x"))
     b = args.batch
-    settings = load_settings()
-    engine = Engine(settings)
-    load_engine(engine, settings)
-    intake = Intake(settings, default_seed, shrink_frame=engine.shrink_frame)
-    raws = []
-    for i, req in enumerate(build_requests("contention", 3 * b, 4, (h, w), 1)):
-        value, headers = S.encode_request(req)
-        raws.append(RawRecord("contention", 0, i, value, S.request_key(req), tuple(headers)))
-    jobs = [intake.process(r) for r in raws]
+    engine, intake, raws, jobs = in_process({}, build_requests("contention", 3 * b, 4, (h, w), 1))
     pool = ThreadPoolExecutor(INTAKE_THREADS)
 
     def batches(tag: str, burst: bool = False, count: int = 3) -> float:

@@ -101,9 +101,9 @@ def engine_split(engine: dict[str, float], wall_s: float, alone_infer_s: float, 
     return text
 
 
-def engine_only(env: dict[str, str], reqs: list[S.InferRequest], batch: int):
-    """The same records through the worker's intake (untimed) and engine in this process ->
-    (scenes/s, {request id: SceneResult}, seconds in the engine)."""
+def in_process(env: dict[str, str], reqs: list[S.InferRequest]):
+    """The worker's engine (loaded and warmed as `worker serve` does) and intake in this process,
+    and the requests as records through that intake (untimed) -> (engine, intake, records, jobs)."""
     from worker.config import load_settings
     from worker.engine import Engine, default_seed
     from worker.intake import Intake, Job, RawRecord
@@ -113,13 +113,21 @@ def engine_only(env: dict[str, str], reqs: list[S.InferRequest], batch: int):
     engine = Engine(settings)
     load_engine(engine, settings)
     intake = Intake(settings, default_seed, shrink_frame=engine.shrink_frame)
-    jobs = []
+    records, jobs = [], []
     for i, req in enumerate(reqs):
         value, headers = S.encode_request(req)
-        job = intake.process(RawRecord("serve-bench", 0, i, value, S.request_key(req), tuple(headers)))
+        records.append(RawRecord("in-process", 0, i, value, S.request_key(req), tuple(headers)))
+        job = intake.process(records[-1])
         if not isinstance(job, Job):
             raise RuntimeError(f"{req.request_id}: {job.error_code.value}: {job.error_message}")
         jobs.append(job)
+    return engine, intake, records, jobs
+
+
+def engine_only(env: dict[str, str], reqs: list[S.InferRequest], batch: int):
+    """The same records through the worker's intake (untimed) and engine in this process ->
+    (scenes/s, {request id: SceneResult}, seconds in the engine)."""
+    engine, _, _, jobs = in_process(env, reqs)
     out, wall = {}, 0.0
     for i in range(0, len(jobs), batch):
         part = jobs[i:i + batch]

@@ -52,6 +52,17 @@ def process_tag(pid: int) -> str | None:
         return None
 
 
+_own_tag: tuple[int, str] | None = None      # (pid, tag): the scratch files' writer tag, read once per process
+
+
+def _tag() -> str:
+    global _own_tag
+    pid = os.getpid()
+    if _own_tag is None or _own_tag[0] != pid:
+        _own_tag = (pid, process_tag(pid) or str(pid))
+    return _own_tag[1]
+
+
 def remove_orphan_scratch() -> int:
     """Delete the scratch files of workers that no longer run (killed while decoding: nothing
     else removes them) once ORPHAN_AFTER_S old; files of workers running beside this one stay
@@ -192,8 +203,7 @@ class FrameDecoder:
         w, h = sizes[0]
         n = len(blobs)
         nbytes = n * h * w * 3
-        tag = process_tag(os.getpid()) or str(os.getpid())
-        path = os.path.join(_scratch_dir(nbytes), f"{SCRATCH_PREFIX}{tag}-{secrets.token_hex(8)}")
+        path = os.path.join(_scratch_dir(nbytes), f"{SCRATCH_PREFIX}{_tag()}-{secrets.token_hex(8)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, nbytes)
@@ -223,12 +233,6 @@ class FrameDecoder:
             os.close(fd)
             os.unlink(path)
         return frames
-
-    def close(self) -> None:
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
 
 
 DECODER = FrameDecoder()

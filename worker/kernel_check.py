@@ -300,7 +300,8 @@ def sweep_decode_attention(dev, gen, bw: float) -> None:
     of its 10.3 in attention by the profile, where the K/V floor is ~0.29 ms."""
     import triton.testing
 
-    hq, hkv, d, cap, live_len = 64, 8, 128, 8192, 4623
+    hq, hkv, d = SHAPES["32b"]["decode"][0][2:5]
+    cap, live_len = 8192, PREFILL_ROWS          # the worker's default row capacity; a 24-image prompt
     print(f"\n| decode attention (live {live_len} of {cap}, {hq}/{hkv} heads of {d}) | rows | T | K/V floor us "
           "| plan us | 8 splits | 16 | 32 | 64 |\n" + "|---" * 9 + "|")
     for rows, t in ((1, 1), (1, 8), (16, 1), (16, 8)):

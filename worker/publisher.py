@@ -50,7 +50,7 @@ from schemas import ContractError, DeadLetter, ErrorCode, InferResult, dead_lett
 from worker.output_limits import check_result_fits, fit_dead_letter
 
 __all__ = ["TP", "Output", "OffsetTracker", "Publisher", "PublishError", "COMMIT_RETRY_S", "result_output",
-           "dead_letter_output"]
+           "dead_letter_output", "job_output"]
 
 log = logging.getLogger("alpamayo.publisher")
 

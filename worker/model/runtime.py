@@ -328,7 +328,7 @@ class AlpamayoRuntime:
         return logits, layer_kv, captured
 
     # ------------------------------------------------------------------ the batch
-    def prepare(self, batch: list[SceneRequest]) -> "PreparedBatch":
+    def prepare(self, batch: list[SceneRequest]) -> PreparedBatch:
         """A batch's host work before the GPU (one task, one K): each scene's prompt and positions,
         its frames staged in the image-prep pool, the reasoning limit; scenes that cannot run get
         their error here. Thread-safe against a running `run`: the worker prepares the next batch
@@ -363,7 +363,7 @@ class AlpamayoRuntime:
             max_new.append(limit)
         return PreparedBatch(list(batch), results, ok, max_new)
 
-    def run(self, batch: "list[SceneRequest] | PreparedBatch") -> list[SceneResult]:
+    def run(self, batch: list[SceneRequest] | PreparedBatch) -> list[SceneResult]:
         """Run one batch (one task, one K), prepared by `prepare` or not yet. Failures of one
         scene never fail the others."""
         b = batch if isinstance(batch, PreparedBatch) else self.prepare(batch)
