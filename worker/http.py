@@ -37,6 +37,8 @@ class HealthState:
         self.ready = ready
         self.status = status
         self.metrics.ready.set(1 if ready else 0)
+        if ready:
+            self.metrics.ready_since.set_to_current_time()
 
 
 def make_app(state: HealthState) -> web.Application:

@@ -67,6 +67,8 @@ class WorkerMetrics:
         self.gpu_memory = Gauge("alpamayo_gpu_memory_bytes", "GPU memory held by the process (0 on CPU)",
                                 registry=r)
         self.ready = Gauge("alpamayo_ready", "1 once loaded and warm", registry=r)
+        self.ready_since = Gauge("alpamayo_ready_since_seconds", "Unix time the worker last became ready "
+                                 "(it starts fetching right after)", registry=r)
         self.uncertainty = Histogram("alpamayo_result_uncertainty", "Uncertainty of results with K >= 2 samples",
                                      ["task", "k"], buckets=_UNCERTAINTY_BUCKETS, registry=r)
         for t in TASKS:

@@ -44,9 +44,9 @@ def test_serve_bench_answers_every_request_and_compares_with_the_engine_alone(
     batches, per_batch, infer, output, busy, ahead, alone = re.search(
         r"(\d+) batches of ([\d.]+) scenes on average; infer ([\d.]+) \+ output ([\d.]+) s per batch, busy (\d+)% of the run \(host work of the next batch, "
         r"prepared meanwhile: ([\d.]+) s per batch\); alone: infer ([\d.]+) s per batch", text).groups()
-    # (the run's clock starts when the harness sees the worker ready, polled: a worker that began
-    # the backlog a moment earlier can show a little over 100%)
-    assert float(infer) > 0 and float(alone) > 0 and 0 < int(busy) <= 125 and float(ahead) >= 0
+    # (the run's clock starts when the worker became ready, by its own gauge: a clock started when
+    # the harness saw readiness, polled, once showed 140%)
+    assert float(infer) > 0 and float(alone) > 0 and 0 < int(busy) <= 100 and float(ahead) >= 0
     assert int(batches) >= 2 and abs(int(batches) * float(per_batch) - 6) < 0.1      # 6 scenes in batches of <= 3
     assert re.search(r"infer outside the timed stages -?[\d.]+ / -?[\d.]+ s per batch", text)
 

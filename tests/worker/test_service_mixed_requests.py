@@ -52,9 +52,11 @@ async def test_mixed_requests_one_answer_each_with_shapes_speculative_block_and_
                      ALPAMAYO_MAX_BATCH_WAIT_MS="200", ALPAMAYO_CLAIM_CHECK_ROOTS=f"file://{store}/",
                      ALPAMAYO_STATS_INTERVAL_S="1")
     settings = dataclasses.replace(load_settings(env), speculative_model=head)   # head + FT ckpt: see module doc
+    started = time.time()
     w = WorkerThread(settings).start()
     try:
         assert await asyncio.to_thread(w.wait_ready, 300), f"worker ended: {w.exit_code} {w.error}"
+        ready_seen = time.time()
         base = f"http://127.0.0.1:{port}"
 
         # -- /v1/models and the counters before the first request -----------------------------
@@ -72,6 +74,8 @@ async def test_mixed_requests_one_answer_each_with_shapes_speculative_block_and_
         assert (await http_get(base + "/metrics"))[1].decode().count("alpamayo_spec_decode") == text.count(
             "alpamayo_spec_decode")
         assert metric_values(text, "alpamayo_ready") == {(): 1.0}
+        # when it became ready, by its own clock (benchmarks start their runs there)
+        assert started < metric_values(text, "alpamayo_ready_since_seconds")[()] <= ready_seen
 
         # -- the requests ---------------------------------------------------------------------
         cc_images = []
