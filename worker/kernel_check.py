@@ -177,6 +177,14 @@ def check_stream_linear(shape: dict, dtype, dev, gen) -> list[tuple[str, str, fl
             same = torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(sc, rs)
             rows.append(("fp8 activation quantisation (same bits as torch)", f"M {m}, K {k}",
                          *(rel_err(q.float() * sc, rq.float() * rs) if same else (float("nan"), float("nan")))))
+            # the norm (hidden) and silu * up (intermediate) handing their output over quantised
+            w = torch.randn(k, device=dev, generator=gen).to(dtype)
+            ops = ((lambda q: add_rms_norm(x, w, 1e-6, x, quantize=q)[1]) if k == shape["hidden"] else
+                   (lambda q: silu_mul(torch.cat([x, x.flip(0)], 1), quantize=q)))
+            (q, sc), (rq, rs) = ops(True), quantize_rows(ops(False))
+            same = torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(sc, rs)
+            rows.append((f"fp8 handed over by {'the norm' if k == shape['hidden'] else 'silu'} (same bits)",
+                         f"M {m}, K {k}", *(rel_err(q.float() * sc, rq.float() * rs) if same else (float("nan"),) * 2)))
     return rows
 
 
@@ -404,9 +412,12 @@ def sweep_fp8_prefill(dev, gen, rows: int = PREFILL_ROWS) -> None:
     row-wise scales (what `scaled_mm_linear` runs after it) and with fast accumulation; with
     one scale per tensor, with and without fast accumulation. TFLOP/s in brackets (GPU only). The
     last column: the row-wise product's relative error against the fp32 product of the same
-    quantised operands, without / with fast accumulation (what `fp8.FAST_ACCUM` adds)."""
+    quantised operands, without / with fast accumulation (what `fp8.FAST_ACCUM` adds). Then the op
+    that makes the product's input (norm, silu * up) with quantize_rows after it, against it
+    handing its output over quantised (`layers.norm_project`, `layers.silu_project`)."""
     print(f"\n| prefill product ({rows} rows) | bf16 F.linear us | quantize_rows us | _scaled_mm row-wise us "
-          "| row-wise, fast accum | per-tensor | per-tensor, fast accum | rel err exact / fast |\n" + "|---" * 8 + "|")
+          "| row-wise, fast accum | per-tensor | per-tensor, fast accum | rel err exact / fast "
+          "| op before + quantize_rows / handing over us |\n" + "|---" * 9 + "|")
     for name, n, k in SHAPES["32b"]["linear"]:
         w8, scale = quantize_weight(torch.randn(n, k, device=dev, generator=gen))
         x = torch.randn(rows, k, device=dev, generator=gen).to(torch.bfloat16)
@@ -414,12 +425,12 @@ def sweep_fp8_prefill(dev, gen, rows: int = PREFILL_ROWS) -> None:
         one = torch.ones((), device=dev)
         flop = 2 * rows * n * k
 
-        def form(fn, *args) -> str:
+        def form(fn, *args, flop=flop) -> str:
             try:
                 us = _bench_streamed_us(fn, *args)
             except Exception as e:              # a form this torch / device does not offer
                 return type(e).__name__
-            return f"{us:.0f} ({flop / us / 1e6:.0f})"
+            return f"{us:.0f} ({flop / us / 1e6:.0f})" if flop else f"{us:.0f}"
 
         def mm(w, a_scale, b_scale, fast):
             return torch._scaled_mm(xq, w.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16,
@@ -435,6 +446,12 @@ def sweep_fp8_prefill(dev, gen, rows: int = PREFILL_ROWS) -> None:
         exact = (xq.float() * x_scale) @ (w8.float() * scale[:, None]).t()
         cells.append(" / ".join(f"{rel_err(mm(w8, x_scale, scale[None, :], fast), exact)[0]:.2e}"
                                 for fast in (False, True)))
+        wn = torch.randn(k, device=dev, generator=gen).to(torch.bfloat16)
+        norm = lambda a, q: add_rms_norm(a, wn, 1e-6, a, quantize=q)[1]  # noqa: E731
+        before = {"qkv": norm, "gate/up": norm, "down": lambda a, q: silu_mul(a, quantize=q)}.get(name)
+        src = x if name != "down" else torch.randn(rows, 2 * k, device=dev, generator=gen).to(torch.bfloat16)
+        cells.append(f"{form(lambda a: quantize_rows(before(a, False)), src, flop=0)} / "
+                     f"{form(lambda a: before(a, True), src, flop=0)}" if before else "-")
         print(f"| {name} ({n}x{k}) | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from worker.model.attention import attend_reference
 from worker.model.fused_ops import available as fused_available
 from worker.model.graphs import GraphCache
-from worker.model.layers import FusedStack
+from worker.model.layers import FusedStack, concat_project
 
 
 class StaticKVCache:
@@ -158,12 +158,9 @@ class TextDecoder:
         d = self.head_dim
         for i, layer in enumerate(self.lm.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            fused_qkv, fused_gate_up, (hq, hkv) = self.stack.parts[i]
+            qkv_proj, gate_up_proj, (hq, hkv) = self.stack.parts[i]
             x = rms_norm(h, layer.input_layernorm)
-            if fused_qkv is not None:
-                q, k, v = fused_qkv(x).split((hq * d, hkv * d, hkv * d), dim=-1)
-            else:
-                q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            q, k, v = concat_project(qkv_proj, x).split((hq * d, hkv * d, hkv * d), dim=-1)
             q = apply_rope(rms_norm(q.view(b, t, -1, d), attn.q_norm).transpose(1, 2), cos, sin)
             k = apply_rope(rms_norm(k.view(b, t, -1, d), attn.k_norm).transpose(1, 2), cos, sin)
             v = v.view(b, t, -1, d).transpose(1, 2)
@@ -174,10 +171,7 @@ class TextDecoder:
                                  start + t, causal=True)
             h = h + attn.o_proj(o.reshape(b, t, -1))
             x = rms_norm(h, layer.post_attention_layernorm)
-            if fused_gate_up is not None:
-                g, u = fused_gate_up(x).chunk(2, dim=-1)
-            else:
-                g, u = mlp.gate_proj(x), mlp.up_proj(x)
+            g, u = concat_project(gate_up_proj, x).chunk(2, dim=-1)
             h = h + mlp.down_proj(F.silu(g) * u)
             if i in capture:
                 hidden[i] = h

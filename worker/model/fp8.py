@@ -6,8 +6,8 @@ Which product runs, by the number of rows M (tokens) of the input:
       bound by the weight's bytes like decode, verify, draft and expert steps are
   larger M on GPUs with fp8 tensor cores (compute capability >= 8.9: Ada, Hopper): a real fp8
       matrix multiply (`torch._scaled_mm`, activations quantised per token on the fly by one kernel,
-      `quantize_rows` below), bound by
-      arithmetic like prefill is
+      `quantize_rows` below, or handed over quantised by the norm or silu * up kernel that makes
+      them: `layers.norm_project`, `layers.silu_project`), bound by arithmetic like prefill is
   elsewhere (and for few rows inside `fused_ops.reference_only()`): the weight dequantised to the
       activation dtype (same numbers, no speed-up), so CPU tests exercise the same quantised weights.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.model.fused_ops import available
+from worker.model.fused_ops import E4M3_MAX, available
 from worker.model.stream_gemm import stream_linear, stream_linear_reference
 
 try:                                   # Triton ships with CUDA builds of torch; CPU installs may lack it
@@ -38,8 +38,6 @@ WEIGHT_ONLY_MAX_ROWS = 64
 # well under what quantising the activations to e4m3 costs.
 FAST_ACCUM = True
 
-
-E4M3_MAX = 448.0
 
 
 def quantize_rows_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,15 +125,33 @@ class Fp8Linear(nn.Module):
             return stream_linear_reference(x, self.weight, self.weight_scale, self.bias)
         return scaled_mm_linear(x, self.weight, self.weight_scale, self.bias)
 
+    def takes_fp8(self, rows_of: torch.Tensor) -> bool:
+        """True where `forward` would quantise an input with as many rows as `rows_of` (..., any)
+        for `_scaled_mm` with the kernels on: then the op that makes the input hands it over
+        quantised instead (`fused_ops`' quantize=True), for `forward_fp8`."""
+        return self.fast and rows_of.numel() > WEIGHT_ONLY_MAX_ROWS * rows_of.shape[-1] and available(rows_of)
+
+    def forward_fp8(self, xq: torch.Tensor, x_scale: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """`forward(x)` from x's M rows already quantised ((xq, x_scale) = `quantize_rows(x)`);
+        like (..., any): M rows in x's dtype, whose leading dimensions the output (..., N) takes."""
+        return fp8_product(xq, x_scale, self.weight, self.weight_scale, self.bias, like)
+
 
 def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """fp8 x fp8 product on the tensor cores: x quantised to e4m3 per row, then `torch._scaled_mm`
     with both scales (GPUs with compute capability >= 8.9, dimensions multiples of 16)."""
     xq, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    return fp8_product(xq, x_scale, weight, scale, bias, x)
+
+
+def fp8_product(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """xq (M, K) e4m3 rows with scales x_scale (M, 1) times weight (N, K) e4m3 with scale (N,)
+    -> (..., N) in like's dtype; like (..., any) has M rows."""
     y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale[None, :], bias=bias, use_fast_accum=FAST_ACCUM,
-                         out_dtype=x.dtype if x.dtype != torch.float32 else torch.bfloat16)
-    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+                         out_dtype=like.dtype if like.dtype != torch.float32 else torch.bfloat16)
+    return y.to(like.dtype).reshape(*like.shape[:-1], weight.shape[0])
 
 
 def quantize_linears(module: nn.Module) -> int:

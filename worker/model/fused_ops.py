@@ -8,6 +8,11 @@ live in `decoder.py` and run on the CPU).
                       the KV cache at their positions (replaces ~14 small kernels and two scatters)
   silu_mul            silu(gate) * up over the fused gate/up projection's output
 
+add_rms_norm and silu_mul can also hand their output over quantised for an fp8 x fp8 product
+(`quantize=True`: e4m3 values and one fp32 scale per row, the bits `fp8.quantize_rows` gives for
+the output they would have written), so a prompt's activations are not read twice more and
+written once more by a separate quantising kernel before each of its fp8 products.
+
 Each rounds to the activation dtype where the torch reference does, so bf16 results match the
 reference up to the order of fp32 reductions.
 """
@@ -27,6 +32,8 @@ except ImportError:                    # pragma: no cover
 
 
 _reference_only = False
+# e4m3's largest finite value: a row's largest magnitude maps to it when activations are quantised.
+E4M3_MAX = 448.0
 
 
 def available(x: torch.Tensor) -> bool:
@@ -82,8 +89,17 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
-    def _add_rms_norm_kernel(X, R, W, Y, RO, sx, sr, sy, sro, n, eps,
-                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    def quantize_store(Q, S, row, sq, cols, mask, yf, E4M3: tl.constexpr):
+        """Row `row` of yf (fp32 values of the activation dtype) as e4m3 into Q with its scale
+        into S: `fp8.quantize_rows`' arithmetic (largest magnitude to E4M3, IEEE division)."""
+        scale = tl.maximum(tl.max(tl.where(mask, tl.abs(yf), 0.0), 0) / E4M3, 1e-12)
+        tl.store(S + row, scale)
+        tl.store(Q + row * sq + cols, tl.math.div_rn(yf, scale).to(Q.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _add_rms_norm_kernel(X, R, W, Y, RO, S, sx, sr, sy, sro, n, eps,
+                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+                             E4M3: tl.constexpr, GDC: tl.constexpr):
         gdc_enter(GDC)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -99,7 +115,11 @@ if triton is not None:
         var = tl.sum(xf * xf, 0) / n
         y = (xf * tl.rsqrt(var + eps)).to(dt)
         w = tl.load(W + cols, mask=mask, other=0.0)
-        tl.store(Y + row * sy + cols, (y.to(tl.float32) * w.to(tl.float32)).to(dt), mask=mask)
+        out = (y.to(tl.float32) * w.to(tl.float32)).to(dt)
+        if QUANT:                            # Y is e4m3 (and S its row scales)
+            quantize_store(Y, S, row, sy, cols, mask, out.to(tl.float32), E4M3)
+        else:
+            tl.store(Y + row * sy + cols, out, mask=mask)
 
     @triton.jit
     def _qk_norm_rope_write_kernel(QKV, QO, KC, VC, QW, KW, START, DELTA, INV_FREQ, COS, SIN,
@@ -147,16 +167,41 @@ if triton is not None:
                  mask=is_v)
 
     @triton.jit
+    def silu_mul_block(ROW, cols, n):
+        """silu(gate) * up at columns `cols` of one gate/up row (0 past n), rounded to
+        the activation dtype, in fp32."""
+        mask = cols < n
+        g = tl.load(ROW + cols, mask=mask, other=0.0)
+        u = tl.load(ROW + n + cols, mask=mask, other=0.0)
+        gf = g.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+
+    @triton.jit
     def _silu_mul_kernel(GU, Y, s_row, sy_row, n, BLOCK: tl.constexpr, GDC: tl.constexpr):
         gdc_enter(GDC)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n
-        g = tl.load(GU + row * s_row + cols, mask=mask, other=0.0)
-        u = tl.load(GU + row * s_row + n + cols, mask=mask, other=0.0)
-        gf = g.to(tl.float32)
-        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-        tl.store(Y + row * sy_row + cols, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+        y = silu_mul_block(GU + row * s_row, cols, n)
+        tl.store(Y + row * sy_row + cols, y.to(Y.dtype.element_ty), mask=cols < n)
+
+    @triton.jit
+    def _silu_mul_rows_kernel(GU, Q, S, s_row, sq_row, n, BLOCK: tl.constexpr, E4M3: tl.constexpr,
+                              GDC: tl.constexpr):
+        """silu_mul of one row quantised: a pass for the row's largest magnitude, a second that
+        recomputes the values (gate/up read twice, the values never written) and stores e4m3."""
+        gdc_enter(GDC)
+        row = tl.program_id(0)
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, n, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            amax = tl.maximum(amax, tl.abs(silu_mul_block(GU + row * s_row, cols, n)))
+        scale = tl.maximum(tl.max(amax, 0) / E4M3, 1e-12)
+        tl.store(S + row, scale)
+        for k0 in range(0, n, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            y = silu_mul_block(GU + row * s_row, cols, n)
+            tl.store(Q + row * sq_row + cols, tl.math.div_rn(y, scale).to(Q.dtype.element_ty), mask=cols < n)
 
     @triton.jit
     def _vision_rope_kernel(QKV, Q, K, COS, SIN, s_row, s_cs, H: tl.constexpr, D: tl.constexpr,
@@ -186,19 +231,24 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (h, norm(h) * weight) with h = x + residual (or x). x, residual (..., N)."""
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                 quantize: bool = False):
+    """-> (h, norm(h) * weight) with h = x + residual (or x). x, residual (..., N).
+    quantize: -> (h, (e4m3 (M, N), fp32 scale (M, 1))) of norm(h) * weight's M = x.numel() / N rows."""
     x2 = _rows(x)
-    n = x2.shape[1]
-    y = torch.empty_like(x2)
+    m, n = x2.shape
+    if quantize:
+        y = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=x.device)
+        scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    else:
+        y = scale = torch.empty_like(x2)
     res_out = torch.empty_like(x2) if residual is not None else x2
     r2 = _rows(residual) if residual is not None else x2
-    _add_rms_norm_kernel[(x2.shape[0],)](
-        x2, r2, weight, y, res_out, x2.stride(0), r2.stride(0), y.stride(0), res_out.stride(0), n, eps,
-        HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), num_warps=8 if n >= 4096 else 4,
-        **launch_args(x2))
-    return res_out.view(x.shape), y.view(x.shape)
+    _add_rms_norm_kernel[(m,)](
+        x2, r2, weight, y, res_out, scale, x2.stride(0), r2.stride(0), y.stride(0), res_out.stride(0), n, eps,
+        HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), QUANT=quantize, E4M3=E4M3_MAX,
+        num_warps=8 if n >= 4096 else 4, **launch_args(x2))
+    return res_out.view(x.shape), ((y, scale) if quantize else y.view(x.shape))
 
 
 def qk_norm_rope_write(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_norm_weight: torch.Tensor,
@@ -229,10 +279,18 @@ def qk_norm_rope_write(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_norm_we
     return q
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up (..., 2 I) = cat(gate, up) -> silu(gate) * up (..., I)."""
+def silu_mul(gate_up: torch.Tensor, quantize: bool = False):
+    """gate_up (..., 2 I) = cat(gate, up) -> silu(gate) * up (..., I).
+    quantize: -> (e4m3 (M, I), fp32 scale (M, 1)) of its M = gate_up.numel() / 2 I rows."""
     x2 = _rows(gate_up)
     n = x2.shape[1] // 2
+    if quantize:
+        q = torch.empty(x2.shape[0], n, dtype=torch.float8_e4m3fn, device=gate_up.device)
+        scale = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=gate_up.device)
+        _silu_mul_rows_kernel[(x2.shape[0],)](x2, q, scale, x2.stride(0), q.stride(0), n,
+                                              BLOCK=min(4096, triton.next_power_of_2(n)), E4M3=E4M3_MAX,
+                                              num_warps=8 if n >= 4096 else 4, **launch_args(x2))
+        return q, scale
     y = torch.empty(x2.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, y, x2.stride(0), y.stride(0), n, BLOCK=block,

@@ -82,6 +82,32 @@ def project(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return m(x)
 
 
+def norm_project(proj, x: torch.Tensor, norm: nn.Module,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, proj(rms_norm(h))) with h = x + residual (or x); proj: a projection, or a tuple of
+    projections whose outputs are concatenated. Where proj multiplies in fp8 x fp8
+    (`Fp8Linear.takes_fp8`: a prompt's rows on the GPU), the norm hands its output over quantised."""
+    if isinstance(proj, Fp8Linear) and proj.takes_fp8(x):
+        h, (xq, scale) = add_rms_norm(x, norm.weight, norm_eps(norm), residual=residual, quantize=True)
+        return h, proj.forward_fp8(xq, scale, h)
+    h, y = add_rms_norm(x, norm.weight, norm_eps(norm), residual=residual)
+    return h, (concat_project(proj, y) if isinstance(proj, tuple) else project(proj, y))
+
+
+def concat_project(proj, x: torch.Tensor) -> torch.Tensor:
+    """proj(x) for a projection, or the concatenated outputs of a tuple of projections (the
+    q/k/v and gate/up entries of `FusedStack.parts` where they could not be fused)."""
+    return torch.cat([m(x) for m in proj], -1) if isinstance(proj, tuple) else proj(x)
+
+
+def silu_project(down: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate) * up) of the fused gate/up output (..., 2 I); handed over quantised where
+    down multiplies in fp8 x fp8, as in `norm_project`."""
+    if isinstance(down, Fp8Linear) and down.takes_fp8(gate_up):
+        return down.forward_fp8(*silu_mul(gate_up, quantize=True), gate_up)
+    return project(down, silu_mul(gate_up))
+
+
 def store_transposed(m: nn.Module) -> None:
     """Keep an inference GPU `nn.Linear`'s weight as (in, out) row-major (the module sees its
     transposed view, so every caller is unchanged): `F.linear` then runs cuBLAS's NN product
@@ -103,13 +129,14 @@ class FusedStack:
         self.fuse()
 
     def fuse(self) -> None:
-        """Fuse q/k/v and gate/up per layer, and store o and down transposed (`store_transposed`).
-        Call again after swapping weights (fp8 quantisation)."""
+        """Fuse q/k/v and gate/up per layer (`parts`: (q/k/v, gate/up, (Hq, Hkv)) per layer; a
+        tuple of the separate projections where they cannot be fused), and store o and down
+        transposed (`store_transposed`). Call again after swapping weights (fp8 quantisation)."""
         self.parts = []
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
-            qkv = fuse_projections([a.q_proj, a.k_proj, a.v_proj])
-            gate_up = fuse_projections([m.gate_proj, m.up_proj])
+            qkv = fuse_projections([a.q_proj, a.k_proj, a.v_proj]) or (a.q_proj, a.k_proj, a.v_proj)
+            gate_up = fuse_projections([m.gate_proj, m.up_proj]) or (m.gate_proj, m.up_proj)
             heads = (a.q_proj.out_features // self.head_dim, a.k_proj.out_features // self.head_dim)
             store_transposed(a.o_proj)
             store_transposed(m.down_proj)
@@ -130,19 +157,16 @@ class FusedStack:
         pending = None                       # the previous layer's MLP output, not yet added
         for i, layer in enumerate(self.layers):
             a, mlp = layer.self_attn, layer.mlp
-            fused_qkv, fused_gate_up, (hq, hkv) = self.parts[i]
-            ln = layer.input_layernorm
-            h, x = add_rms_norm(pending if pending is not None else h, ln.weight, norm_eps(ln),
-                                residual=h if pending is not None else None)
-            qkv = project(fused_qkv, x) if fused_qkv is not None else torch.cat([a.q_proj(x), a.k_proj(x), a.v_proj(x)], -1)
+            qkv_proj, gate_up_proj, (hq, hkv) = self.parts[i]
+            h, qkv = norm_project(qkv_proj, pending if pending is not None else h, layer.input_layernorm,
+                                  residual=h if pending is not None else None)
             k_cache, v_cache = caches[i]
             q = qk_norm_rope_write(qkv, hq, hkv, a.q_norm.weight, a.k_norm.weight, norm_eps(a.q_norm),
                                    k_cache, v_cache, start, rope_delta, inv_freq, rope_scaling)
             o = cache_attention(q, k_cache, v_cache, kv_len, causal)
-            ln = layer.post_attention_layernorm
-            h, x = add_rms_norm(project(a.o_proj, o.view(b, t, -1)), ln.weight, norm_eps(ln), residual=h)
-            gu = project(fused_gate_up, x) if fused_gate_up is not None else torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1)
-            pending = project(mlp.down_proj, silu_mul(gu))
+            h, gu = norm_project(gate_up_proj, project(a.o_proj, o.view(b, t, -1)), layer.post_attention_layernorm,
+                                 residual=h)
+            pending = silu_project(mlp.down_proj, gu)
             if i in capture:
                 h, pending = h + pending, None
                 hidden[i] = h
@@ -157,11 +181,9 @@ class FusedStack:
         are stored in kv[i]."""
         layer = self.layers[i]
         a, mlp = layer.self_attn, layer.mlp
-        fused_qkv, fused_gate_up, (hq, hkv) = self.parts[i]
+        qkv_proj, gate_up_proj, (hq, hkv) = self.parts[i]
         b, p, _ = h.shape
-        ln = layer.input_layernorm
-        _, x = add_rms_norm(h, ln.weight, norm_eps(ln))
-        qkv = fused_qkv(x) if fused_qkv is not None else torch.cat([a.q_proj(x), a.k_proj(x), a.v_proj(x)], -1)
+        _, qkv = norm_project(qkv_proj, h, layer.input_layernorm)
         k = torch.empty(b, hkv, p, self.head_dim, dtype=h.dtype, device=h.device)
         v = torch.empty_like(k)
         start = torch.zeros(b, dtype=torch.long, device=h.device)
@@ -169,10 +191,9 @@ class FusedStack:
                                cos_sin=(cos, sin))
         kv[i] = (k, v)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, enable_gqa=hq != hkv)
-        ln = layer.post_attention_layernorm
-        h, x = add_rms_norm(a.o_proj(o.transpose(1, 2).reshape(b, p, -1)), ln.weight, norm_eps(ln), residual=h)
-        gu = fused_gate_up(x) if fused_gate_up is not None else torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1)
-        return h + mlp.down_proj(silu_mul(gu))
+        h, gu = norm_project(gate_up_proj, a.o_proj(o.transpose(1, 2).reshape(b, p, -1)),
+                             layer.post_attention_layernorm, residual=h)
+        return h + silu_project(mlp.down_proj, gu)
 
     @contextlib.contextmanager
     def prefilling(self):

@@ -1,19 +1,13 @@
 """The weight-streaming product (worker/model/stream_gemm.py) through Triton's interpreter on the CPU:
 odd shapes against fp64 of the dequantised product, the same bits on a second launch, and
-Fp8Linear choosing it for few rows. Triton picks interpreter or compiler when a kernel is
-defined, so the cases run in one subprocess with TRITON_INTERPRET=1."""
+Fp8Linear choosing it for few rows (in one interpreted subprocess: `interpreted.py`)."""
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests import REPO_ROOT
+from tests.worker.model.interpreted import run_interpreted
 from worker.model.stream_gemm import stream_linear
 
 _CASES = r"""
@@ -93,11 +87,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT), CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-c", _CASES], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(_CASES)
 
 
 def test_matches_dequantised_product_at_odd_shapes_and_repeats_bit_for_bit(interpreted):

@@ -1,0 +1,124 @@
+"""A prompt's fp8 x fp8 products take their input already quantised from the kernel before them
+(worker/model/fused_ops.py quantize=True; layers.norm_project, layers.silu_project): the RMSNorm
+and silu * up kernels write e4m3 rows and scales, the bits `fp8.quantize_rows` gives for the output
+they would have written, so the layer's results do not change. Through Triton's interpreter on the
+CPU (torch's CPU `_scaled_mm` stands in for the GPU's), in one subprocess (`interpreted.py`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.worker.model.interpreted import run_interpreted
+
+_CASES = r"""
+import json
+from unittest import mock
+
+import torch
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+import worker.model.fp8 as fp8
+from worker.model.fused_ops import add_rms_norm, silu_mul
+
+gen = torch.Generator().manual_seed(11)
+out = {"norm": [], "silu": [], "stack": {}}
+
+
+def same(a, b):
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn else torch.equal(a, b)
+
+
+# the kernels: one block and several (silu: 4096 + 4 columns), with and without the residual add
+for m, n, residual in [(5, 300, False), (4, 300, True), (3, 5000, True)]:
+    x = (torch.randn(m, n, generator=gen) * 3).to(torch.bfloat16)
+    r = torch.randn(m, n, generator=gen).to(torch.bfloat16) if residual else None
+    w = torch.randn(n, generator=gen).to(torch.bfloat16)
+    h, y = add_rms_norm(x, w, 1e-6, residual=r)
+    hq, (q, s) = add_rms_norm(x, w, 1e-6, residual=r, quantize=True)
+    rq, rs = fp8.quantize_rows(y)
+    out["norm"].append(dict(case=[m, n, residual], q_dtype=str(q.dtype), s_shape=list(s.shape),
+                            same_h=same(h, hq), same_q=same(q, rq), same_s=same(s, rs)))
+for m, n in [(4, 300), (3, 4100)]:
+    gu = (torch.randn(m, 2 * n, generator=gen) * 2).to(torch.bfloat16)
+    gu[1, :n] = -30.0                                 # a row whose silu is all but zero: the scale's floor
+    q, s = silu_mul(gu, quantize=True)
+    rq, rs = fp8.quantize_rows(silu_mul(gu))
+    out["silu"].append(dict(case=[m, n], q_dtype=str(q.dtype), s_shape=list(s.shape), same_q=same(q, rq),
+                            same_s=same(s, rs)))
+
+# a 2-layer fp8 stack whose products take the fp8 x fp8 path (`fast`, as on an fp8 GPU)
+conf = Qwen3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, num_hidden_layers=2, vocab_size=32)
+torch.manual_seed(3)
+layers = [Qwen3DecoderLayer(conf, i).eval().requires_grad_(False).to(torch.bfloat16) for i in range(2)]
+from worker.model.layers import FusedStack
+with mock.patch.object(fp8, "_has_fp8_mm", return_value=True):
+    assert fp8.quantize_linears(torch.nn.ModuleList(layers)) == 14
+    stack = FusedStack(layers, head_dim=16)
+assert all(isinstance(p[0], fp8.Fp8Linear) and p[0].fast for p in stack.parts)
+
+def run_both(fn):
+    # -> (output handed over, output quantised by the products themselves, quantize_rows calls of each)
+    res = []
+    for handover in (True, False):
+        with mock.patch.object(fp8, "quantize_rows", wraps=fp8.quantize_rows) as spy:
+            if handover:
+                y = fn()
+            else:
+                with mock.patch.object(fp8.Fp8Linear, "takes_fp8", return_value=False):
+                    y = fn()
+        res.append((y, spy.call_count))
+    return res
+
+p_tokens = 80
+h = torch.randn(1, p_tokens, 64, generator=gen).to(torch.bfloat16)
+cos = torch.randn(1, p_tokens, 16, generator=gen).to(torch.bfloat16)
+sin = torch.randn(1, p_tokens, 16, generator=gen).to(torch.bfloat16)
+(a, na), (b, nb) = run_both(lambda: stack.prefill_layer(0, h, cos, sin, [None]))
+out["stack"]["prefill"] = dict(same=torch.equal(a, b), calls=[na, nb], finite=bool(a.isfinite().all()))
+
+def step(rows, t):
+    caches = [(torch.zeros(rows, 2, 128, 16, dtype=torch.bfloat16), torch.zeros(rows, 2, 128, 16, dtype=torch.bfloat16))
+              for _ in range(2)]
+    x = torch.randn(rows, t, 64, generator=torch.Generator().manual_seed(rows * 100 + t)).to(torch.bfloat16)
+    start = torch.tensor([3, 9, 0, 5][:rows])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    y, _ = stack.run(x, caches, start, torch.zeros(rows, dtype=torch.long), inv_freq, 1.0, causal=True)
+    return y
+
+# a verify-sized step (4 rows of 20 tokens = 80 > WEIGHT_ONLY_MAX_ROWS): handed over; 2 rows of 8: weight-only
+(a, na), (b, nb) = run_both(lambda: step(4, 20))
+out["stack"]["step80"] = dict(same=torch.equal(a, b), calls=[na, nb])
+(a, na), (b, nb) = run_both(lambda: step(2, 8))
+out["stack"]["step16"] = dict(same=torch.equal(a, b), calls=[na, nb])
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_interpreted(_CASES)
+
+
+def test_norm_hands_over_the_bits_quantize_rows_gives_its_output(interpreted):
+    assert [c["case"] for c in interpreted["norm"]] == [[5, 300, False], [4, 300, True], [3, 5000, True]]
+    for c in interpreted["norm"]:
+        assert c["q_dtype"] == "torch.float8_e4m3fn" and c["s_shape"] == [c["case"][0], 1], c
+        assert c["same_h"] and c["same_q"] and c["same_s"], c
+
+
+def test_silu_mul_hands_over_the_bits_quantize_rows_gives_its_output(interpreted):
+    assert [c["case"] for c in interpreted["silu"]] == [[4, 300], [3, 4100]]
+    for c in interpreted["silu"]:
+        assert c["q_dtype"] == "torch.float8_e4m3fn" and c["s_shape"] == [c["case"][0], 1], c
+        assert c["same_q"] and c["same_s"], c
+
+
+def test_fp8_layers_give_the_same_output_with_one_quantising_pass_instead_of_four(interpreted):
+    s = interpreted["stack"]
+    # a prompt's layer: only the o projection's input (the attention's output) is still quantised apart
+    assert s["prefill"]["same"] and s["prefill"]["finite"] and s["prefill"]["calls"] == [1, 4], s
+    # the stack's step over 80 rows (2 layers), likewise; 16 rows stream the weights (nothing quantised)
+    assert s["step80"]["same"] and s["step80"]["calls"] == [2, 8], s
+    assert s["step16"]["same"] and s["step16"]["calls"] == [0, 0], s
