@@ -117,10 +117,12 @@ class Fp8Linear(nn.Module):
         m.fast = _has_fp8_mm(weight.device) and m.in_features % 16 == 0 and m.out_features % 16 == 0
         return m
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, defer_sum: bool = False):
+        """defer_sum: where the weight-only kernel runs split over K, its `SplitSums` (see
+        `stream_gemm.stream_linear`) instead of the summed product."""
         few_rows = x.numel() <= WEIGHT_ONLY_MAX_ROWS * self.in_features
         if few_rows and available(x):
-            return stream_linear(x, self.weight, self.weight_scale, self.bias)
+            return stream_linear(x, self.weight, self.weight_scale, self.bias, defer_sum=defer_sum)
         if few_rows or not self.fast:           # few rows without the kernels (CPU, reference_only())
             return stream_linear_reference(x, self.weight, self.weight_scale, self.bias)
         return scaled_mm_linear(x, self.weight, self.weight_scale, self.bias)

@@ -8,6 +8,9 @@ live in `decoder.py` and run on the CPU).
                       the KV cache at their positions (replaces ~14 small kernels and two scatters)
   silu_mul            silu(gate) * up over the fused gate/up projection's output
 
+A product split over K (`stream_gemm`) can hand its fp32 partials over unsummed (`SplitSums`):
+add_rms_norm sums them as `sum_splits` would (split order, scale, rounding), one launch less.
+
 add_rms_norm and silu_mul can also hand their output over quantised for an fp8 x fp8 product
 (`quantize=True`: e4m3 values and one fp32 scale per row, the bits `fp8.quantize_rows` gives for
 the output they would have written), so a prompt's activations are not read twice more and
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -97,15 +101,45 @@ if triton is not None:
         tl.store(Q + row * sq + cols, tl.math.div_rn(yf, scale).to(Q.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _add_rms_norm_kernel(X, R, W, Y, RO, S, sx, sr, sy, sro, n, eps,
+    def split_sum(PART, SCALE, row, M, N, cols, ok, SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr):
+        """Row `row`'s columns `cols` of a product's K-split partials PART (SPLIT, M, N) fp32:
+        their sum in split order (the same bits every launch), times the channel scale."""
+        acc = tl.zeros(cols.shape, dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            acc += tl.load(PART + (s * M + row) * N + cols, mask=ok, other=0.0)
+        if HAS_SCALE:
+            acc = acc * tl.load(SCALE + cols, mask=ok, other=0.0)
+        return acc
+
+    @triton.jit
+    def _sum_splits_kernel(PART, SCALE, BIAS, Y, M, N, sy_m, SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
+        gdc_enter(GDC)
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < N
+        y = split_sum(PART, SCALE, row, M, N, cols, ok, SPLIT, HAS_SCALE)
+        if HAS_BIAS:
+            y += tl.load(BIAS + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(Y + row * sy_m + cols, y.to(Y.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _add_rms_norm_kernel(X, R, W, Y, RO, S, SCALE, sx, sr, sy, sro, m, n, eps,
                              HAS_RES: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
-                             E4M3: tl.constexpr, GDC: tl.constexpr):
+                             E4M3: tl.constexpr, SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr,
+                             GDC: tl.constexpr):
         gdc_enter(GDC)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
-        x = tl.load(X + row * sx + cols, mask=mask, other=0.0)
-        dt = x.dtype
+        if SPLIT > 0:                        # X: a product's partials (SplitSums), summed here
+            dt = RO.dtype.element_ty
+            x = split_sum(X, SCALE, row, m, n, cols, mask, SPLIT, HAS_SCALE).to(dt)
+            if not HAS_RES:
+                tl.store(RO + row * sro + cols, x, mask=mask)
+        else:
+            x = tl.load(X + row * sx + cols, mask=mask, other=0.0)
+            dt = x.dtype
         xf = x.to(tl.float32)
         if HAS_RES:
             r = tl.load(R + row * sr + cols, mask=mask, other=0.0)
@@ -231,24 +265,68 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+@dataclass(frozen=True)
+class SplitSums:
+    """A product left as its K splits' fp32 partials, part (S, M, N) (`stream_gemm.stream_linear`'s
+    defer_sum); its value: their sum in split order, times scale (N,) when not None, rounded to
+    dtype, shaped `shape` (..., N). `add_rms_norm` takes it as its x; `result()` sums it alone."""
+
+    part: torch.Tensor
+    scale: torch.Tensor | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def result(self) -> torch.Tensor:
+        y = torch.empty(self.part.shape[1:], dtype=self.dtype, device=self.part.device)
+        sum_splits(self.part, self.scale, None, y)
+        return y.view(self.shape)
+
+
+def summed(x):
+    """x, or a `SplitSums`' value."""
+    return x.result() if isinstance(x, SplitSums) else x
+
+
+SUM_BLOCK = 1024                       # output columns per program of the split-sum kernel
+
+
+def sum_splits(part: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, y: torch.Tensor) -> None:
+    """y (M, N) = the sum of part (S, M, N) in split order, times scale (N,), plus bias (N,)."""
+    splits, m, n = part.shape
+    s = scale if scale is not None else y
+    _sum_splits_kernel[(m, triton.cdiv(n, SUM_BLOCK))](
+        part, s, bias if bias is not None else s, y, m, n, y.stride(0), SPLIT=splits, HAS_SCALE=scale is not None,
+        HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK, num_warps=4, **launch_args(part))
+
+
+def add_rms_norm(x, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
                  quantize: bool = False):
-    """-> (h, norm(h) * weight) with h = x + residual (or x). x, residual (..., N).
-    quantize: -> (h, (e4m3 (M, N), fp32 scale (M, 1))) of norm(h) * weight's M = x.numel() / N rows."""
-    x2 = _rows(x)
-    m, n = x2.shape
-    if quantize:
-        y = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=x.device)
-        scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    """-> (h, norm(h) * weight) with h = x + residual (or x). x (a tensor or a `SplitSums`),
+    residual (..., N). quantize: -> (h, (e4m3 (M, N), fp32 scale (M, 1))) of norm(h) * weight's
+    M rows."""
+    splits = x if isinstance(x, SplitSums) else None
+    if splits is not None:
+        shape, dtype, x2 = splits.shape, splits.dtype, splits.part
+        m, n = x2.shape[1:]
     else:
-        y = scale = torch.empty_like(x2)
-    res_out = torch.empty_like(x2) if residual is not None else x2
-    r2 = _rows(residual) if residual is not None else x2
+        shape, dtype, x2 = x.shape, x.dtype, _rows(x)
+        m, n = x2.shape
+    dev = x2.device
+    if quantize:
+        y = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=dev)
+        scale = torch.empty(m, 1, dtype=torch.float32, device=dev)
+    else:
+        y = scale = torch.empty(m, n, dtype=dtype, device=dev)
+    res_out = x2 if residual is None and splits is None else torch.empty(m, n, dtype=dtype, device=dev)
+    r2 = _rows(residual) if residual is not None else res_out
+    split_scale = splits.scale if splits is not None else None
     _add_rms_norm_kernel[(m,)](
-        x2, r2, weight, y, res_out, scale, x2.stride(0), r2.stride(0), y.stride(0), res_out.stride(0), n, eps,
+        x2, r2, weight, y, res_out, scale, split_scale if split_scale is not None else weight,
+        x2.stride(0) if splits is None else 0, r2.stride(0), y.stride(0), res_out.stride(0), m, n, eps,
         HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), QUANT=quantize, E4M3=E4M3_MAX,
+        SPLIT=x2.shape[0] if splits is not None else 0, HAS_SCALE=split_scale is not None,
         num_warps=8 if n >= 4096 else 4, **launch_args(x2))
-    return res_out.view(x.shape), ((y, scale) if quantize else y.view(x.shape))
+    return res_out.view(shape), ((y, scale) if quantize else y.view(shape))
 
 
 def qk_norm_rope_write(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_norm_weight: torch.Tensor,
