@@ -101,10 +101,12 @@ if triton is not None:
         tl.store(Q + row * sq + cols, tl.math.div_rn(yf, scale).to(Q.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def split_sum(PART, SCALE, row, M, N, cols, ok, SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr):
-        """Row `row`'s columns `cols` of a product's K-split partials PART (SPLIT, M, N) fp32:
-        their sum in split order (the same bits every launch), times the channel scale."""
-        acc = tl.zeros(cols.shape, dtype=tl.float32)
+    def split_sum(PART, SCALE, row, M, N, cols, ok, SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr,
+                  BLOCK: tl.constexpr):
+        """Row `row`'s columns `cols` (BLOCK of them) of a product's K-split partials PART
+        (SPLIT, M, N) fp32: their sum in split order (the same bits every launch), times the
+        channel scale."""
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for s in tl.static_range(SPLIT):
             acc += tl.load(PART + (s * M + row) * N + cols, mask=ok, other=0.0)
         if HAS_SCALE:
@@ -118,7 +120,7 @@ if triton is not None:
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < N
-        y = split_sum(PART, SCALE, row, M, N, cols, ok, SPLIT, HAS_SCALE)
+        y = split_sum(PART, SCALE, row, M, N, cols, ok, SPLIT, HAS_SCALE, BLOCK)
         if HAS_BIAS:
             y += tl.load(BIAS + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(Y + row * sy_m + cols, y.to(Y.dtype.element_ty), mask=ok)
@@ -134,7 +136,7 @@ if triton is not None:
         mask = cols < n
         if SPLIT > 0:                        # X: a product's partials (SplitSums), summed here
             dt = RO.dtype.element_ty
-            x = split_sum(X, SCALE, row, m, n, cols, mask, SPLIT, HAS_SCALE).to(dt)
+            x = split_sum(X, SCALE, row, m, n, cols, mask, SPLIT, HAS_SCALE, BLOCK).to(dt)
             if not HAS_RES:
                 tl.store(RO + row * sro + cols, x, mask=mask)
         else:

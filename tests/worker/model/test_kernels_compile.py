@@ -1,0 +1,86 @@
+"""Every Triton kernel of the GPU path compiles for the H200 (sm_90) on this GPU-less machine, with
+the argument types and compile-time constants its launcher passes at the 32B shape. Triton's
+interpreter (the other kernel tests) runs the kernels' arithmetic in numpy and accepts code the
+compiler refuses; this catches that before a device call is spent on it. (The device's Triton
+may be older than this machine's: it catches most, not all.)"""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from worker.model import attention, fp8, fused_ops, stream_gemm  # noqa: E402
+
+H200 = GPUTarget("cuda", 90, 32)
+FLOATS = {"eps", "scaling", "qk_scale"}
+
+
+def compiled(fn, pointers: dict[str, str], constants: dict, warps: int = 4, stages: int = 3):
+    """Compile fn for H200: pointers {arg: '*bf16' | '*fp8e4nv' | ...}, constants {constexpr arg:
+    value}; any other argument an i32 (fp32 where named in FLOATS) -> the compiled kernel."""
+    sig = {}
+    for i, name in enumerate(fn.arg_names):
+        if fn.params[i].is_constexpr:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = pointers.get(name, "fp32" if name in FLOATS else "i32")
+    assert set(pointers) <= set(sig) and set(constants) == {n for n, t in sig.items() if t == "constexpr"}, fn
+    src = ASTSource(fn=fn, signature=sig, constexprs=constants)
+    return triton.compile(src, target=H200, options={"num_warps": warps, "num_stages": stages})
+
+
+def _cases():
+    bf, f8, f32, i64 = "*bf16", "*fp8e4nv", "*fp32", "*i64"
+    norm = dict(HAS_RES=True, BLOCK=8192, QUANT=False, E4M3=448.0, SPLIT=0, HAS_SCALE=False, GDC=True)
+    for name, x, y, changes in [("plain", bf, bf, {}), ("first layer", bf, bf, dict(HAS_RES=False)),
+                                ("split partials in", f32, bf, dict(SPLIT=4, HAS_SCALE=True)),
+                                ("split partials, no residual", f32, bf, dict(SPLIT=4, HAS_RES=False)),
+                                ("quantised out", bf, f8, dict(QUANT=True)),
+                                ("partials in, quantised out", f32, f8, dict(SPLIT=3, HAS_SCALE=True, QUANT=True))]:
+        yield (f"add_rms_norm: {name}", fused_ops._add_rms_norm_kernel,
+               dict(X=x, R=bf, W=bf, Y=y, RO=bf, S=f32, SCALE=f32), {**norm, **changes}, 8)
+    for table in (False, True):
+        yield (f"qk_norm_rope_write, table={table}", fused_ops._qk_norm_rope_write_kernel,
+               dict(QKV=bf, QO=bf, KC=bf, VC=bf, QW=bf, KW=bf, START=i64, DELTA=i64, INV_FREQ=f32, COS=bf, SIN=bf),
+               dict(HQ=64, HKV=8, D=128, NH=128, TABLE=table, GDC=True), 4)
+    yield ("silu_mul", fused_ops._silu_mul_kernel, dict(GU=bf, Y=bf), dict(BLOCK=1024, GDC=True), 4)
+    yield ("silu_mul quantised", fused_ops._silu_mul_rows_kernel, dict(GU=bf, Q=f8, S=f32),
+           dict(BLOCK=4096, E4M3=448.0, GDC=True), 8)
+    yield ("sum_splits", fused_ops._sum_splits_kernel, dict(PART=f32, SCALE=f32, BIAS=bf, Y=bf),
+           dict(SPLIT=4, HAS_SCALE=True, HAS_BIAS=False, BLOCK=fused_ops.SUM_BLOCK, GDC=True), 4)
+    yield ("vision_rope", fused_ops._vision_rope_kernel, dict(QKV=bf, Q=bf, K=bf, COS=f32, SIN=f32),
+           dict(H=16, D=72, NH=16, BD=128, GDC=True), 4)
+    yield ("quantize_rows", fp8._quantize_rows_kernel, dict(X=bf, Q=f8, S=f32), dict(BLOCK=4096, E4M3=448.0), 8)
+    for rows, c in stream_gemm.LAUNCH_CONFIGS:
+        for w, split in ((f8, 1), (f8, 4), (bf, 1)):
+            yield (f"stream product, {rows} rows, {w[1:]} weight, {split} splits", stream_gemm._stream_kernel,
+                   dict(X=bf, W=w, SCALE=f32, BIAS=bf, Y=bf, PART=f32),
+                   dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=split, EVEN_K=True,
+                        HAS_SCALE=w == f8, HAS_BIAS=False, DOT_FP32=False, GDC=True), (c.warps, c.stages))
+    for t, block_m, block_n, direct in [(1, 16, 64, False), (8, 64, 64, False), (64, 64, attention.TILED_BLOCK_N, True)]:
+        yield (f"attention split, T={t}", attention._split_kernel,
+               dict(Q=bf, K=bf, V=bf, KVLEN=i64, OPART=f32, LPART=f32, OUT=bf),
+               dict(T=t, G=8, HKV=8, D=128, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=t == 8, DIRECT=direct, GDC=True),
+               (4, 3 if block_m >= 64 or direct else 2))
+    yield ("attention merge", attention._merge_kernel, dict(OPART=f32, LPART=f32, KVLEN=i64, OUT=bf),
+           dict(HQ=64, T=8, D=128, S_MAX=16, TB=8, GDC=True), 4)
+
+
+CASES = list(_cases())
+
+
+@pytest.mark.parametrize("name, fn, pointers, constants, launch", CASES, ids=[c[0] for c in CASES])
+def test_kernel_compiles_for_the_h200(name, fn, pointers, constants, launch):
+    warps, stages = launch if isinstance(launch, tuple) else (launch, 3)
+    kernel = compiled(fn, pointers, constants, warps, stages)
+    assert kernel.asm["cubin"] and ".target sm_90" in kernel.asm["ptx"], name
+
+
+def test_every_launched_kernel_is_compiled_here():
+    """A kernel added to the GPU path gets a case here."""
+    launched = {getattr(m, n) for m in (attention, fp8, fused_ops, stream_gemm) for n in dir(m)
+                if n.startswith("_") and n.endswith("_kernel")}
+    assert launched == {c[1] for c in CASES}
