@@ -546,8 +546,10 @@ def main(argv: list[str] | None = None) -> int:
     t.add("ratio", "fp8 decode step / bf16 decode step, batch 1", f"{s8[(1, 1)] / steps[(1, 1)]:.2f}")
     layers.DEFER_SPLIT_SUMS = False              # the same step with each product summing its K splits itself
     rt.graphs.clear()
-    apart = engine_steps(t, rt, floor_s, [1], context, "fp8, split sums apart")
-    layers.DEFER_SPLIT_SUMS = True
+    try:
+        apart = engine_steps(t, rt, floor_s, [1], context, "fp8, split sums apart")
+    finally:
+        layers.DEFER_SPLIT_SUMS = True
     t.add("ratio", "fp8 decode step, split sums in the norms / apart, batch 1", f"{s8[(1, 1)] / apart[(1, 1)]:.3f}")
     del model, rt
     if gpu:

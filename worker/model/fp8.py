@@ -14,15 +14,19 @@ Which product runs, by the number of rows M (tokens) of the input:
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-from worker.model.fused_ops import E4M3_MAX, available
+from worker.model.fused_ops import E4M3_MAX, SplitSums, available
 from worker.model.stream_gemm import stream_linear, stream_linear_reference
 
 try:                                   # Triton ships with CUDA builds of torch; CPU installs may lack it
     import triton
     import triton.language as tl
+
+    from worker.model.fused_ops import row_scale
 except ImportError:                    # pragma: no cover - exercised only on Triton-less installs
     triton = None
 
@@ -56,7 +60,7 @@ if triton is not None:
             cols = k0 + tl.arange(0, BLOCK)
             x = tl.load(X + row * sx + cols, mask=cols < K, other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        scale = tl.maximum(tl.max(amax, 0) / E4M3, 1e-12)
+        scale = row_scale(tl.max(amax, 0), E4M3)
         tl.store(S + row, scale)
         for k0 in range(0, K, BLOCK):
             cols = k0 + tl.arange(0, BLOCK)
@@ -127,11 +131,13 @@ class Fp8Linear(nn.Module):
             return stream_linear_reference(x, self.weight, self.weight_scale, self.bias)
         return scaled_mm_linear(x, self.weight, self.weight_scale, self.bias)
 
-    def takes_fp8(self, rows_of: torch.Tensor) -> bool:
-        """True where `forward` would quantise an input with as many rows as `rows_of` (..., any)
-        for `_scaled_mm` with the kernels on: then the op that makes the input hands it over
-        quantised instead (`fused_ops`' quantize=True), for `forward_fp8`."""
-        return self.fast and rows_of.numel() > WEIGHT_ONLY_MAX_ROWS * rows_of.shape[-1] and available(rows_of)
+    def takes_fp8(self, rows_of) -> bool:
+        """True where `forward` would quantise an input with as many rows as `rows_of` (..., any:
+        a tensor or a `SplitSums`) for `_scaled_mm` with the kernels on: then the op that makes
+        the input hands it over quantised instead (`fused_ops`' quantize=True), for `forward_fp8`."""
+        rows = math.prod(rows_of.shape[:-1])
+        return self.fast and rows > WEIGHT_ONLY_MAX_ROWS and available(
+            rows_of.part if isinstance(rows_of, SplitSums) else rows_of)
 
     def forward_fp8(self, xq: torch.Tensor, x_scale: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """`forward(x)` from x's M rows already quantised ((xq, x_scale) = `quantize_rows(x)`);

@@ -93,20 +93,25 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
+    def row_scale(amax, E4M3: tl.constexpr):
+        """A row's e4m3 scale from its largest magnitude, as torch divides (`fp8.quantize_rows_reference`):
+        IEEE division (a plain `/` compiles to an approximate one), floored at 1e-12."""
+        return tl.maximum(tl.math.div_rn(amax, tl.zeros_like(amax) + E4M3), 1e-12)
+
+    @triton.jit
     def quantize_store(Q, S, row, sq, cols, mask, yf, E4M3: tl.constexpr):
         """Row `row` of yf (fp32 values of the activation dtype) as e4m3 into Q with its scale
         into S: `fp8.quantize_rows`' arithmetic (largest magnitude to E4M3, IEEE division)."""
-        scale = tl.maximum(tl.max(tl.where(mask, tl.abs(yf), 0.0), 0) / E4M3, 1e-12)
+        scale = row_scale(tl.max(tl.where(mask, tl.abs(yf), 0.0), 0), E4M3)
         tl.store(S + row, scale)
         tl.store(Q + row * sq + cols, tl.math.div_rn(yf, scale).to(Q.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def split_sum(PART, SCALE, row, M, N, cols, ok, SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr,
-                  BLOCK: tl.constexpr):
-        """Row `row`'s columns `cols` (BLOCK of them) of a product's K-split partials PART
-        (SPLIT, M, N) fp32: their sum in split order (the same bits every launch), times the
-        channel scale."""
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    def split_sum(PART, SCALE, row, M, N, cols, ok, SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr):
+        """Row `row`'s columns `cols` (a block of offsets of any shape) of a product's K-split
+        partials PART (SPLIT, M, N) fp32: their sum in split order (the same bits every launch),
+        times the channel scale."""
+        acc = tl.zeros_like(cols).to(tl.float32)
         for s in tl.static_range(SPLIT):
             acc += tl.load(PART + (s * M + row) * N + cols, mask=ok, other=0.0)
         if HAS_SCALE:
@@ -120,7 +125,7 @@ if triton is not None:
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < N
-        y = split_sum(PART, SCALE, row, M, N, cols, ok, SPLIT, HAS_SCALE, BLOCK)
+        y = split_sum(PART, SCALE, row, M, N, cols, ok, SPLIT, HAS_SCALE)
         if HAS_BIAS:
             y += tl.load(BIAS + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(Y + row * sy_m + cols, y.to(Y.dtype.element_ty), mask=ok)
@@ -136,7 +141,7 @@ if triton is not None:
         mask = cols < n
         if SPLIT > 0:                        # X: a product's partials (SplitSums), summed here
             dt = RO.dtype.element_ty
-            x = split_sum(X, SCALE, row, m, n, cols, mask, SPLIT, HAS_SCALE, BLOCK).to(dt)
+            x = split_sum(X, SCALE, row, m, n, cols, mask, SPLIT, HAS_SCALE).to(dt)
             if not HAS_RES:
                 tl.store(RO + row * sro + cols, x, mask=mask)
         else:
@@ -158,10 +163,11 @@ if triton is not None:
             tl.store(Y + row * sy + cols, out, mask=mask)
 
     @triton.jit
-    def _qk_norm_rope_write_kernel(QKV, QO, KC, VC, QW, KW, START, DELTA, INV_FREQ, COS, SIN,
+    def _qk_norm_rope_write_kernel(QKV, QO, KC, VC, QW, KW, START, DELTA, INV_FREQ, COS, SIN, SCALE,
                                    s_row, sqo_row, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l,
-                                   scaling, eps, T, HQ: tl.constexpr, HKV: tl.constexpr,
-                                   D: tl.constexpr, NH: tl.constexpr, TABLE: tl.constexpr, GDC: tl.constexpr):
+                                   scaling, eps, T, M, HQ: tl.constexpr, HKV: tl.constexpr,
+                                   D: tl.constexpr, NH: tl.constexpr, TABLE: tl.constexpr,
+                                   SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, GDC: tl.constexpr):
         gdc_enter(GDC)
         row = tl.program_id(0)               # b * T + t: every head of one token in one program
         b = row // T
@@ -172,11 +178,17 @@ if triton is not None:
         d = tl.arange(0, D)
         partner = (d + half) % D
         valid = (h < HQ + 2 * HKV)[:, None] & (d[None, :] < D)
-        base = QKV + row * s_row + h[:, None] * D
-        x = tl.load(base + d[None, :], mask=valid, other=0.0)
-        dt = x.dtype
+        if SPLIT > 0:                        # QKV: the product's partials (SplitSums), summed here
+            dt = QO.dtype.element_ty
+            x = split_sum(QKV, SCALE, row, M, s_row, h[:, None] * D + d[None, :], valid, SPLIT, HAS_SCALE).to(dt)
+            xp = split_sum(QKV, SCALE, row, M, s_row, h[:, None] * D + partner[None, :], valid, SPLIT,
+                           HAS_SCALE).to(dt).to(tl.float32)
+        else:
+            base = QKV + row * s_row + h[:, None] * D
+            x = tl.load(base + d[None, :], mask=valid, other=0.0)
+            dt = x.dtype
+            xp = tl.load(base + partner[None, :], mask=valid, other=0.0).to(tl.float32)
         xf = x.to(tl.float32)
-        xp = tl.load(base + partner[None, :], mask=valid, other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, 1) / D + eps)[:, None]
         is_q = (h < HQ)[:, None]
         w = tl.where(is_q, tl.load(QW + d)[None, :], tl.load(KW + d)[None, :]).to(tl.float32)
@@ -232,7 +244,7 @@ if triton is not None:
         for k0 in range(0, n, BLOCK):
             cols = k0 + tl.arange(0, BLOCK)
             amax = tl.maximum(amax, tl.abs(silu_mul_block(GU + row * s_row, cols, n)))
-        scale = tl.maximum(tl.max(amax, 0) / E4M3, 1e-12)
+        scale = row_scale(tl.max(amax, 0), E4M3)
         tl.store(S + row, scale)
         for k0 in range(0, n, BLOCK):
             cols = k0 + tl.arange(0, BLOCK)
@@ -271,7 +283,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 class SplitSums:
     """A product left as its K splits' fp32 partials, part (S, M, N) (`stream_gemm.stream_linear`'s
     defer_sum); its value: their sum in split order, times scale (N,) when not None, rounded to
-    dtype, shaped `shape` (..., N). `add_rms_norm` takes it as its x; `result()` sums it alone."""
+    dtype, shaped `shape` (..., N). `add_rms_norm` and `qk_norm_rope_write` take it as their
+    input; `result()` sums it alone. The same bits either way for bf16 and fp16 activations; for
+    fp32 ones (never on the GPU path) the compiler may contract the scale into the next add
+    (one FMA), a last-bit difference."""
 
     part: torch.Tensor
     scale: torch.Tensor | None
@@ -331,19 +346,22 @@ def add_rms_norm(x, weight: torch.Tensor, eps: float, residual: torch.Tensor | N
     return res_out.view(shape), ((y, scale) if quantize else y.view(shape))
 
 
-def qk_norm_rope_write(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_norm_weight: torch.Tensor,
+def qk_norm_rope_write(qkv, q_heads: int, kv_heads: int, q_norm_weight: torch.Tensor,
                        k_norm_weight: torch.Tensor, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        start: torch.Tensor, rope_delta: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None,
                        scaling: float = 1.0, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """qkv (B, T, (Hq + 2 Hkv) D) -> q (B, T, Hq, D) normed and rotated; k (normed, rotated) and v
+    """qkv (B, T, (Hq + 2 Hkv) D) (a tensor or a `SplitSums`) -> q (B, T, Hq, D) normed and
+    rotated; k (normed, rotated) and v
     written into k_cache/v_cache (>= B, Hkv, L, D) at positions start[b] + t, rotary position
     start[b] + t + rope_delta[b] (inv_freq, scaling), or, with cos_sin, the rotary of those rows
     (each (B, T, D) contiguous in the activation dtype, scaling included: transformers' rotary
     embedding's output, multimodal positions of a prompt)."""
     b, t, width = qkv.shape
     d = width // (q_heads + 2 * kv_heads)
-    q = torch.empty(b, t, q_heads, d, dtype=qkv.dtype, device=qkv.device)
-    rows = qkv.reshape(b * t, width)
+    splits = qkv if isinstance(qkv, SplitSums) else None
+    rows = splits.part if splits is not None else qkv.reshape(b * t, width)
+    q = torch.empty(b, t, q_heads, d, dtype=qkv.dtype, device=rows.device)
+    split_scale = splits.scale if splits is not None else None
     heads = q_heads + 2 * kv_heads
     if cos_sin is not None:
         cos, sin = (c.expand(b, t, d).contiguous() for c in cos_sin)
@@ -352,9 +370,11 @@ def qk_norm_rope_write(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_norm_we
         cos = sin = rows
     _qk_norm_rope_write_kernel[(b * t,)](
         rows, q, k_cache, v_cache, q_norm_weight, k_norm_weight, start, rope_delta, inv_freq, cos, sin,
-        rows.stride(0), q_heads * d, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scaling, eps, t,
+        split_scale if split_scale is not None else q_norm_weight,
+        width if splits is not None else rows.stride(0), q_heads * d, k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scaling, eps, t, b * t,
         HQ=q_heads, HKV=kv_heads, D=d, NH=triton.next_power_of_2(heads), TABLE=cos_sin is not None,
+        SPLIT=rows.shape[0] if splits is not None else 0, HAS_SCALE=split_scale is not None,
         num_warps=4 if heads > 32 else 2, **launch_args(rows))
     return q
 

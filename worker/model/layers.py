@@ -65,10 +65,11 @@ def fuse_projections(mods: list[nn.Module]) -> nn.Module | None:
     return None
 
 
-# a decoder step's o and down products, split over K (`stream_gemm.split_count`: at one row the
-# 32B shape's o and down run 4 splits), leave their fp32 partials for the residual add + RMSNorm
-# that reads them next to sum, instead of a summing kernel of their own (two launches a layer
-# fewer; the same bits). Off: each product sums its splits itself.
+# a decoder step's q/k/v, o and down products, split over K (`stream_gemm.split_count`: at one
+# row the 32B shape's qkv runs 2 splits, o and down 4), leave their fp32 partials for the kernel
+# that reads them next to sum (q/k norm + rotary; residual add + RMSNorm), instead of a summing
+# kernel of their own (three launches a layer fewer; the same bits). Off: each product sums its
+# splits itself.
 DEFER_SPLIT_SUMS = True
 
 # products of at most this many rows with a plain `nn.Linear` weight stored (N, K) (qkv, gate/up)
@@ -82,24 +83,24 @@ def project(m: nn.Module, x: torch.Tensor, defer_sum: bool = False):
     """m(x) for a projection of the fused path: few rows (`GEMV_MAX_ROWS`) of a plain `nn.Linear`
     whose weight is stored (N, K) through the weight-streaming kernel; anything else (more rows,
     weights stored transposed for cuBLAS, fp8 modules) through the module. defer_sum (a product
-    the residual add + RMSNorm reads next): a weight-streaming product split over K comes back
-    as its `SplitSums`, which that kernel sums."""
+    that `add_rms_norm` or `qk_norm_rope_write` reads next): a weight-streaming product split over
+    K comes back as its `SplitSums`, which that kernel sums."""
     if (GEMV_MAX_ROWS and type(m) is nn.Linear and m.weight.stride(1) == 1
             and x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and fused_available(x)):
         return stream_linear(x, m.weight, None, m.bias, defer_sum=defer_sum)
     return m(x, defer_sum=defer_sum) if defer_sum and isinstance(m, Fp8Linear) else m(x)
 
 
-def norm_project(proj, x, norm: nn.Module, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_project(proj, x, norm: nn.Module, residual: torch.Tensor | None = None, defer_sum: bool = False):
     """(h, proj(rms_norm(h))) with h = x + residual (or x; x a tensor, or a `SplitSums` with a
     residual); proj: a projection, or a tuple of projections whose outputs are concatenated.
     Where proj multiplies in fp8 x fp8 (`Fp8Linear.takes_fp8`: a prompt's rows on the GPU), the
-    norm hands its output over quantised."""
-    if isinstance(proj, Fp8Linear) and proj.takes_fp8(residual if residual is not None else x):
+    norm hands its output over quantised; defer_sum as in `project`."""
+    if isinstance(proj, Fp8Linear) and proj.takes_fp8(x):
         h, (xq, scale) = add_rms_norm(x, norm.weight, norm_eps(norm), residual=residual, quantize=True)
         return h, proj.forward_fp8(xq, scale, h)
     h, y = add_rms_norm(x, norm.weight, norm_eps(norm), residual=residual)
-    return h, (concat_project(proj, y) if isinstance(proj, tuple) else project(proj, y))
+    return h, (concat_project(proj, y) if isinstance(proj, tuple) else project(proj, y, defer_sum))
 
 
 def concat_project(proj, x: torch.Tensor) -> torch.Tensor:
@@ -166,13 +167,14 @@ class FusedStack:
         for i, layer in enumerate(self.layers):
             a, mlp = layer.self_attn, layer.mlp
             qkv_proj, gate_up_proj, (hq, hkv) = self.parts[i]
+            # split products' partials are summed by the kernel that reads them next: qkv's by the
+            # q/k norm + rotary, o's and down's by the residual add + norm after them
             h, qkv = norm_project(qkv_proj, pending if pending is not None else h, layer.input_layernorm,
-                                  residual=h if pending is not None else None)
+                                  residual=h if pending is not None else None, defer_sum=DEFER_SPLIT_SUMS)
             k_cache, v_cache = caches[i]
             q = qk_norm_rope_write(qkv, hq, hkv, a.q_norm.weight, a.k_norm.weight, norm_eps(a.q_norm),
                                    k_cache, v_cache, start, rope_delta, inv_freq, rope_scaling)
             o = cache_attention(q, k_cache, v_cache, kv_len, causal)
-            # o and down: split products' partials are summed by the residual add + norm after them
             h, gu = norm_project(gate_up_proj, project(a.o_proj, o.view(b, t, -1), DEFER_SPLIT_SUMS),
                                  layer.post_attention_layernorm, residual=h)
             pending = silu_project(mlp.down_proj, gu, DEFER_SPLIT_SUMS)

@@ -42,10 +42,11 @@ def _cases():
                                 ("partials in, quantised out", f32, f8, dict(SPLIT=3, HAS_SCALE=True, QUANT=True))]:
         yield (f"add_rms_norm: {name}", fused_ops._add_rms_norm_kernel,
                dict(X=x, R=bf, W=bf, Y=y, RO=bf, S=f32, SCALE=f32), {**norm, **changes}, 8)
-    for table in (False, True):
-        yield (f"qk_norm_rope_write, table={table}", fused_ops._qk_norm_rope_write_kernel,
-               dict(QKV=bf, QO=bf, KC=bf, VC=bf, QW=bf, KW=bf, START=i64, DELTA=i64, INV_FREQ=f32, COS=bf, SIN=bf),
-               dict(HQ=64, HKV=8, D=128, NH=128, TABLE=table, GDC=True), 4)
+    for table, qkv, split in ((False, bf, 0), (True, bf, 0), (False, f32, 2)):
+        yield (f"qk_norm_rope_write, table={table}, {split} split partials in", fused_ops._qk_norm_rope_write_kernel,
+               dict(QKV=qkv, QO=bf, KC=bf, VC=bf, QW=bf, KW=bf, START=i64, DELTA=i64, INV_FREQ=f32, COS=bf, SIN=bf,
+                    SCALE=f32),
+               dict(HQ=64, HKV=8, D=128, NH=128, TABLE=table, SPLIT=split, HAS_SCALE=split > 0, GDC=True), 4)
     yield ("silu_mul", fused_ops._silu_mul_kernel, dict(GU=bf, Y=bf), dict(BLOCK=1024, GDC=True), 4)
     yield ("silu_mul quantised", fused_ops._silu_mul_rows_kernel, dict(GU=bf, Q=f8, S=f32),
            dict(BLOCK=4096, E4M3=448.0, GDC=True), 8)
@@ -55,9 +56,9 @@ def _cases():
            dict(H=16, D=72, NH=16, BD=128, GDC=True), 4)
     yield ("quantize_rows", fp8._quantize_rows_kernel, dict(X=bf, Q=f8, S=f32), dict(BLOCK=4096, E4M3=448.0), 8)
     for rows, c in stream_gemm.LAUNCH_CONFIGS:
-        for w, split in ((f8, 1), (f8, 4), (bf, 1)):
-            yield (f"stream product, {rows} rows, {w[1:]} weight, {split} splits", stream_gemm._stream_kernel,
-                   dict(X=bf, W=w, SCALE=f32, BIAS=bf, Y=bf, PART=f32),
+        for w, split, y in ((f8, 1, bf), (f8, 4, bf), (f8, 4, f32), (bf, 1, bf)):   # (f32 Y: sum deferred)
+            yield (f"stream product, {rows} rows, {w[1:]} weight, {split} splits, {y[1:]} Y", stream_gemm._stream_kernel,
+                   dict(X=bf, W=w, SCALE=f32, BIAS=bf, Y=y, PART=f32),
                    dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=split, EVEN_K=True,
                         HAS_SCALE=w == f8, HAS_BIAS=False, DOT_FP32=False, GDC=True), (c.warps, c.stages))
     for t, block_m, block_n, direct in [(1, 16, 64, False), (8, 64, 64, False), (64, 64, attention.TILED_BLOCK_N, True)]:

@@ -1,7 +1,8 @@
-"""A decoder step's o and down products, split over K, leave their fp32 partials for the residual
-add + RMSNorm after them to sum (`stream_gemm.stream_linear(defer_sum=True)`, `fused_ops.SplitSums`,
-`layers.DEFER_SPLIT_SUMS`): the same bits as summing them in a kernel of their own, two launches a
-layer fewer. Through Triton's interpreter on the CPU, in one subprocess (`interpreted.py`)."""
+"""A decoder step's q/k/v, o and down products, split over K, leave their fp32 partials for the
+kernel that reads them next to sum (the q/k norm + rotary, the residual add + RMSNorm;
+`stream_gemm.stream_linear(defer_sum=True)`, `fused_ops.SplitSums`, `layers.DEFER_SPLIT_SUMS`): the
+same bits as summing them in a kernel of their own, three launches a layer fewer. Through Triton's
+interpreter on the CPU, in one subprocess (`interpreted.py`)."""
 
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ import worker.model.fp8 as fp8
 import worker.model.fused_ops as fused_ops
 import worker.model.layers as layers
 import worker.model.stream_gemm as stream_gemm
-from worker.model.fused_ops import SplitSums, add_rms_norm
+from worker.model.fused_ops import SplitSums, add_rms_norm, qk_norm_rope_write
 
 gen = torch.Generator().manual_seed(5)
-out = {"norm": [], "stack": {}}
+out = {"norm": [], "rope": [], "stack": {}}
 
 # the kernel: a SplitSums as the norm's x, against its summed value, every form of the norm
 for splits, n, scaled, residual, quantize in [(3, 300, True, True, False), (2, 300, False, True, False),
@@ -40,6 +41,23 @@ for splits, n, scaled, residual, quantize in [(3, 300, True, True, False), (2, 3
         y, ry = torch.cat([y[0].view(torch.uint8).float(), y[1]], 1), torch.cat([ry[0].view(torch.uint8).float(), ry[1]], 1)
     out["norm"].append(dict(case=[splits, n, scaled, residual, quantize], same_h=torch.equal(h, rh),
                             same_y=torch.equal(y, ry), dtype=str(h.dtype)))
+
+# the q/k norm + rotary (K and V into the cache) from a SplitSums, against its summed value
+for splits, scaled, (b, t) in [(3, True, (2, 1)), (2, False, (1, 8))]:
+    hq, hkv, d = 4, 2, 16
+    part = torch.randn(splits, b * t, (hq + 2 * hkv) * d, generator=gen)
+    scale = torch.rand((hq + 2 * hkv) * d, generator=gen) + 0.5 if scaled else None
+    qkv = SplitSums(part, scale, (b, t, (hq + 2 * hkv) * d), torch.bfloat16)
+    qw, kw = (torch.randn(d, generator=gen).to(torch.bfloat16) for _ in range(2))
+    start, delta = torch.tensor([5, 2][:b]), torch.tensor([0, 3][:b])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    got = []
+    for x in (qkv, qkv.result()):
+        kc, vc = (torch.zeros(b, hkv, 32, d, dtype=torch.bfloat16) for _ in range(2))
+        q = qk_norm_rope_write(x, hq, hkv, qw, kw, 1e-6, kc, vc, start, delta, inv_freq, 1.0)
+        got.append((q, kc, vc))
+    out["rope"].append(dict(case=[splits, scaled, b, t], same=all(torch.equal(a, c) for a, c in zip(*got)),
+                            written=bool(got[0][1].abs().sum() > 0 and got[0][2].abs().sum() > 0)))
 
 # a 2-layer fp8 stack (weight-only products, as at decode), every product split in 3
 conf = Qwen3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
@@ -89,9 +107,32 @@ def test_the_norm_sums_a_split_product_as_its_own_kernel_would(interpreted):
         assert c["same_h"] and c["same_y"] and c["dtype"] == "torch.bfloat16", c
 
 
-def test_decoder_steps_give_the_same_bits_with_two_summing_launches_a_layer_fewer(interpreted):
+def test_the_qk_norm_and_rotary_sum_a_split_product_as_its_own_kernel_would(interpreted):
+    assert len(interpreted["rope"]) == 2
+    for c in interpreted["rope"]:
+        assert c["same"] and c["written"], c
+
+
+def test_decoder_steps_give_the_same_bits_with_three_summing_launches_a_layer_fewer(interpreted):
     s = interpreted["stack"]
-    # 2 layers x 4 split products summed by their own kernels, against 2 x 2 (qkv, gate/up) plus the
-    # last layer's down (and a captured layer's) summed where the stack's output needs it
-    assert s["1x1"]["same"] and s["1x1"]["sum_launches"] == [5, 8], s
-    assert s["2x8"]["same"] and s["2x8"]["sum_launches"] == [6, 8], s
+    # 2 layers x 4 split products summed by their own kernels, against 2 x 1 (gate/up, read by silu)
+    # plus the last layer's down (and a captured layer's) summed where the stack's output needs it
+    assert s["1x1"]["same"] and s["1x1"]["sum_launches"] == [3, 8], s
+    assert s["2x8"]["same"] and s["2x8"]["sum_launches"] == [4, 8], s
+
+
+def test_fp8_products_count_the_rows_of_a_split_product(monkeypatch):
+    """`Fp8Linear.takes_fp8` on a `SplitSums` (a norm's input without a residual): its rows, not
+    its partials' (it raised AttributeError before)."""
+    import torch
+    from torch import nn
+
+    from worker.model import fp8
+    from worker.model.fused_ops import SplitSums
+
+    monkeypatch.setattr(fp8, "_has_fp8_mm", lambda device: True)
+    monkeypatch.setattr(fp8, "available", lambda x: True)
+    lin = fp8.Fp8Linear(nn.Linear(32, 16, bias=False))
+    few = SplitSums(torch.zeros(4, 64, 32), None, (1, 64, 32), torch.bfloat16)       # 4 x 64 partial rows
+    many = SplitSums(torch.zeros(2, 65, 32), None, (5, 13, 32), torch.bfloat16)
+    assert not lin.takes_fp8(few) and lin.takes_fp8(many)
