@@ -219,18 +219,28 @@ if triton is not None:
         """silu(gate) * up at columns `cols` of one gate/up row (0 past n), rounded to
         the activation dtype, in fp32."""
         mask = cols < n
-        g = tl.load(ROW + cols, mask=mask, other=0.0)
-        u = tl.load(ROW + n + cols, mask=mask, other=0.0)
+        return silu_mul_values(tl.load(ROW + cols, mask=mask, other=0.0), tl.load(ROW + n + cols, mask=mask, other=0.0))
+
+    @triton.jit
+    def silu_mul_values(g, u):
+        """silu(g) * u rounded as transformers' Qwen3MLP does in g's dtype, returned in fp32."""
         gf = g.to(tl.float32)
         act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
         return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
 
     @triton.jit
-    def _silu_mul_kernel(GU, Y, s_row, sy_row, n, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    def _silu_mul_kernel(GU, Y, SCALE, s_row, sy_row, m, n, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+                         HAS_SCALE: tl.constexpr, GDC: tl.constexpr):
         gdc_enter(GDC)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        y = silu_mul_block(GU + row * s_row, cols, n)
+        if SPLIT > 0:                        # GU: the gate/up product's partials (SplitSums), summed here
+            dt = Y.dtype.element_ty
+            ok = cols < n
+            y = silu_mul_values(split_sum(GU, SCALE, row, m, 2 * n, cols, ok, SPLIT, HAS_SCALE).to(dt),
+                                split_sum(GU, SCALE, row, m, 2 * n, cols + n, ok, SPLIT, HAS_SCALE).to(dt))
+        else:
+            y = silu_mul_block(GU + row * s_row, cols, n)
         tl.store(Y + row * sy_row + cols, y.to(Y.dtype.element_ty), mask=cols < n)
 
     @triton.jit
@@ -379,9 +389,19 @@ def qk_norm_rope_write(qkv, q_heads: int, kv_heads: int, q_norm_weight: torch.Te
     return q
 
 
-def silu_mul(gate_up: torch.Tensor, quantize: bool = False):
-    """gate_up (..., 2 I) = cat(gate, up) -> silu(gate) * up (..., I).
+def silu_mul(gate_up, quantize: bool = False):
+    """gate_up (..., 2 I) = cat(gate, up) (a tensor, or a `SplitSums`) -> silu(gate) * up (..., I).
     quantize: -> (e4m3 (M, I), fp32 scale (M, 1)) of its M = gate_up.numel() / 2 I rows."""
+    if isinstance(gate_up, SplitSums):
+        if quantize:
+            return silu_mul(gate_up.result(), quantize=True)
+        part, scale = gate_up.part, gate_up.scale
+        splits, m, n2 = part.shape
+        y = torch.empty(m, n2 // 2, dtype=gate_up.dtype, device=part.device)
+        _silu_mul_kernel[(m, triton.cdiv(n2 // 2, SILU_BLOCK))](
+            part, y, scale if scale is not None else part, n2, y.stride(0), m, n2 // 2, BLOCK=SILU_BLOCK,
+            SPLIT=splits, HAS_SCALE=scale is not None, num_warps=4, **launch_args(part))
+        return y.view(*gate_up.shape[:-1], n2 // 2)
     x2 = _rows(gate_up)
     n = x2.shape[1] // 2
     if quantize:
@@ -392,10 +412,13 @@ def silu_mul(gate_up: torch.Tensor, quantize: bool = False):
                                               num_warps=8 if n >= 4096 else 4, **launch_args(x2))
         return q, scale
     y = torch.empty(x2.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
-    block = 1024
-    _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, y, x2.stride(0), y.stride(0), n, BLOCK=block,
-                                                           num_warps=4, **launch_args(x2))
+    _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, SILU_BLOCK))](
+        x2, y, x2, x2.stride(0), y.stride(0), x2.shape[0], n, BLOCK=SILU_BLOCK, SPLIT=0, HAS_SCALE=False,
+        num_warps=4, **launch_args(x2))
     return y.view(*gate_up.shape[:-1], n)
+
+
+SILU_BLOCK = 1024                      # output columns per program of silu_mul
 
 
 def vision_rope(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,11 +65,11 @@ def fuse_projections(mods: list[nn.Module]) -> nn.Module | None:
     return None
 
 
-# a decoder step's q/k/v, o and down products, split over K (`stream_gemm.split_count`: at one
-# row the 32B shape's qkv runs 2 splits, o and down 4), leave their fp32 partials for the kernel
-# that reads them next to sum (q/k norm + rotary; residual add + RMSNorm), instead of a summing
-# kernel of their own (three launches a layer fewer; the same bits). Off: each product sums its
-# splits itself.
+# a decoder step's products, split over K (`stream_gemm.split_count`: at one row the 32B shape's
+# qkv runs 2 splits, o and down 4; at 8 rows gate/up 2 too), leave their fp32 partials for the
+# kernel that reads them next to sum (q/k norm + rotary; silu * up; residual add + RMSNorm),
+# instead of a summing kernel of their own (up to four launches a layer fewer; the same bits).
+# Off: each product sums its splits itself.
 DEFER_SPLIT_SUMS = True
 
 # products of at most this many rows with a plain `nn.Linear` weight stored (N, K) (qkv, gate/up)
@@ -168,7 +168,7 @@ class FusedStack:
             a, mlp = layer.self_attn, layer.mlp
             qkv_proj, gate_up_proj, (hq, hkv) = self.parts[i]
             # split products' partials are summed by the kernel that reads them next: qkv's by the
-            # q/k norm + rotary, o's and down's by the residual add + norm after them
+            # q/k norm + rotary, gate/up's by silu * up, o's and down's by the residual add + norm
             h, qkv = norm_project(qkv_proj, pending if pending is not None else h, layer.input_layernorm,
                                   residual=h if pending is not None else None, defer_sum=DEFER_SPLIT_SUMS)
             k_cache, v_cache = caches[i]
@@ -176,7 +176,7 @@ class FusedStack:
                                    k_cache, v_cache, start, rope_delta, inv_freq, rope_scaling)
             o = cache_attention(q, k_cache, v_cache, kv_len, causal)
             h, gu = norm_project(gate_up_proj, project(a.o_proj, o.view(b, t, -1), DEFER_SPLIT_SUMS),
-                                 layer.post_attention_layernorm, residual=h)
+                                 layer.post_attention_layernorm, residual=h, defer_sum=DEFER_SPLIT_SUMS)
             pending = silu_project(mlp.down_proj, gu, DEFER_SPLIT_SUMS)
             if i in capture:
                 h, pending = h + summed(pending), None

@@ -47,7 +47,9 @@ def _cases():
                dict(QKV=qkv, QO=bf, KC=bf, VC=bf, QW=bf, KW=bf, START=i64, DELTA=i64, INV_FREQ=f32, COS=bf, SIN=bf,
                     SCALE=f32),
                dict(HQ=64, HKV=8, D=128, NH=128, TABLE=table, SPLIT=split, HAS_SCALE=split > 0, GDC=True), 4)
-    yield ("silu_mul", fused_ops._silu_mul_kernel, dict(GU=bf, Y=bf), dict(BLOCK=1024, GDC=True), 4)
+    for gu, split in ((bf, 0), (f32, 2)):
+        yield (f"silu_mul, {split} split partials in", fused_ops._silu_mul_kernel, dict(GU=gu, Y=bf, SCALE=f32),
+               dict(BLOCK=fused_ops.SILU_BLOCK, SPLIT=split, HAS_SCALE=split > 0, GDC=True), 4)
     yield ("silu_mul quantised", fused_ops._silu_mul_rows_kernel, dict(GU=bf, Q=f8, S=f32),
            dict(BLOCK=4096, E4M3=448.0, GDC=True), 8)
     yield ("sum_splits", fused_ops._sum_splits_kernel, dict(PART=f32, SCALE=f32, BIAS=bf, Y=bf),

@@ -1,7 +1,7 @@
-"""A decoder step's q/k/v, o and down products, split over K, leave their fp32 partials for the
-kernel that reads them next to sum (the q/k norm + rotary, the residual add + RMSNorm;
+"""A decoder step's products (q/k/v, gate/up, o, down), split over K, leave their fp32 partials for the
+kernel that reads them next to sum (the q/k norm + rotary, silu * up, the residual add + RMSNorm;
 `stream_gemm.stream_linear(defer_sum=True)`, `fused_ops.SplitSums`, `layers.DEFER_SPLIT_SUMS`): the
-same bits as summing them in a kernel of their own, three launches a layer fewer. Through Triton's
+same bits as summing them in a kernel of their own, up to four launches a layer fewer. Through Triton's
 interpreter on the CPU, in one subprocess (`interpreted.py`)."""
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import worker.model.fp8 as fp8
 import worker.model.fused_ops as fused_ops
 import worker.model.layers as layers
 import worker.model.stream_gemm as stream_gemm
-from worker.model.fused_ops import SplitSums, add_rms_norm, qk_norm_rope_write
+from worker.model.fused_ops import SplitSums, add_rms_norm, qk_norm_rope_write, silu_mul
 
 gen = torch.Generator().manual_seed(5)
-out = {"norm": [], "rope": [], "stack": {}}
+out = {"norm": [], "rope": [], "silu": [], "stack": {}}
 
 # the kernel: a SplitSums as the norm's x, against its summed value, every form of the norm
 for splits, n, scaled, residual, quantize in [(3, 300, True, True, False), (2, 300, False, True, False),
@@ -58,6 +58,16 @@ for splits, scaled, (b, t) in [(3, True, (2, 1)), (2, False, (1, 8))]:
         got.append((q, kc, vc))
     out["rope"].append(dict(case=[splits, scaled, b, t], same=all(torch.equal(a, c) for a, c in zip(*got)),
                             written=bool(got[0][1].abs().sum() > 0 and got[0][2].abs().sum() > 0)))
+
+# silu * up from a SplitSums (two column blocks and a ragged one), against its summed value
+for splits, n, scaled in [(2, 2500, True), (3, 300, False)]:
+    part = torch.randn(splits, 3, 2 * n, generator=gen)
+    scale = torch.rand(2 * n, generator=gen) + 0.5 if scaled else None
+    gu = SplitSums(part, scale, (3, 2 * n), torch.bfloat16)
+    y, ry = silu_mul(gu), silu_mul(gu.result())
+    (q, sc), (rq, rs) = silu_mul(gu, quantize=True), silu_mul(gu.result(), quantize=True)
+    out["silu"].append(dict(case=[splits, n, scaled], same=torch.equal(y, ry), shape=list(y.shape),
+                            same_quantised=torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(sc, rs)))
 
 # a 2-layer fp8 stack (weight-only products, as at decode), every product split in 3
 conf = Qwen3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
@@ -113,12 +123,18 @@ def test_the_qk_norm_and_rotary_sum_a_split_product_as_its_own_kernel_would(inte
         assert c["same"] and c["written"], c
 
 
-def test_decoder_steps_give_the_same_bits_with_three_summing_launches_a_layer_fewer(interpreted):
+def test_silu_mul_sums_a_split_product_as_its_own_kernel_would(interpreted):
+    assert len(interpreted["silu"]) == 2
+    for c in interpreted["silu"]:
+        assert c["same"] and c["same_quantised"] and c["shape"] == [3, c["case"][1]], c
+
+
+def test_decoder_steps_give_the_same_bits_without_summing_launches_of_their_own(interpreted):
     s = interpreted["stack"]
-    # 2 layers x 4 split products summed by their own kernels, against 2 x 1 (gate/up, read by silu)
-    # plus the last layer's down (and a captured layer's) summed where the stack's output needs it
-    assert s["1x1"]["same"] and s["1x1"]["sum_launches"] == [3, 8], s
-    assert s["2x8"]["same"] and s["2x8"]["sum_launches"] == [4, 8], s
+    # 2 layers x 4 split products summed by their own kernels, against only the last layer's down
+    # (and a captured layer's) summed where the stack's output needs a tensor
+    assert s["1x1"]["same"] and s["1x1"]["sum_launches"] == [1, 8], s
+    assert s["2x8"]["same"] and s["2x8"]["sum_launches"] == [2, 8], s
 
 
 def test_fp8_products_count_the_rows_of_a_split_product(monkeypatch):
