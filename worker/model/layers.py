@@ -83,8 +83,8 @@ def project(m: nn.Module, x: torch.Tensor, defer_sum: bool = False):
     """m(x) for a projection of the fused path: few rows (`GEMV_MAX_ROWS`) of a plain `nn.Linear`
     whose weight is stored (N, K) through the weight-streaming kernel; anything else (more rows,
     weights stored transposed for cuBLAS, fp8 modules) through the module. defer_sum (a product
-    that `add_rms_norm` or `qk_norm_rope_write` reads next): a weight-streaming product split over
-    K comes back as its `SplitSums`, which that kernel sums."""
+    that `add_rms_norm`, `qk_norm_rope_write` or `silu_mul` reads next): a weight-streaming product
+    split over K comes back as its `SplitSums`, which that kernel sums."""
     if (GEMV_MAX_ROWS and type(m) is nn.Linear and m.weight.stride(1) == 1
             and x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and fused_available(x)):
         return stream_linear(x, m.weight, None, m.bias, defer_sum=defer_sum)
@@ -109,9 +109,10 @@ def concat_project(proj, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([m(x) for m in proj], -1) if isinstance(proj, tuple) else proj(x)
 
 
-def silu_project(down: nn.Module, gate_up: torch.Tensor, defer_sum: bool = False):
-    """down(silu(gate) * up) of the fused gate/up output (..., 2 I); handed over quantised where
-    down multiplies in fp8 x fp8, as in `norm_project`; defer_sum as in `project`."""
+def silu_project(down: nn.Module, gate_up, defer_sum: bool = False):
+    """down(silu(gate) * up) of the fused gate/up output (..., 2 I) (a tensor or a `SplitSums`);
+    handed over quantised where down multiplies in fp8 x fp8, as in `norm_project`; defer_sum as
+    in `project`."""
     if isinstance(down, Fp8Linear) and down.takes_fp8(gate_up):
         return down.forward_fp8(*silu_mul(gate_up, quantize=True), gate_up)
     return project(down, silu_mul(gate_up), defer_sum)
