@@ -62,7 +62,7 @@ kafka-jars: check-python
 	@"$(PYTHON)" -m deploy.local.cluster jars
 
 test: venv kafka-jars
-	@PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" "$(VPY)" -m pytest -q -ra $(PYTEST_ARGS); rc=$$?; \
+	@PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" "$(VPY)" -m pytest -q -ra --durations=20 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests (exit 5): failing" >&2; fi; \
 	exit $$rc
 
