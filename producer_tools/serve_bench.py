@@ -91,7 +91,7 @@ def engine_split(engine: dict[str, float], wall_s: float, alone_infer_s: float, 
                  untimed: tuple[float, float] | None = None) -> str:
     """"10 batches of 16.0 scenes on average; infer 9.8 + output 0.1 s per batch, busy 83% of the
     run; ...; alone: infer 9.6 s per batch": fewer scenes per batch than --batch (a partial batch
-    at the start) costs a batch's time; an engine slower per batch inside the worker points at
+    at the start) costs one more batch's decode and diffusion; an engine slower per batch inside the worker points at
     contention for the host, a low busy fraction at time lost between batches (the run's clock
     starts when the worker became ready). `untimed`: seconds per batch of
     infer outside the timed stages (Kafka path, alone)."""

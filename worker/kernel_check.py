@@ -170,21 +170,21 @@ def check_stream_linear(shape: dict, dtype, dev, gen) -> list[tuple[str, str, fl
             err = rel_err(out, x.double() @ w.double().t()) if same else (float("nan"), float("nan"))
             rows.append((f"{str(dtype)[6:]} weight {name}", f"M {m}, {k} -> {n}", *err))
     if dev.type == "cuda":        # (Triton's interpreter rounds some fp32 -> e4m3 casts down a binade)
+        def same_bits(name: str, where: str, got, want) -> tuple:
+            """A check row: quantised rows' (e4m3, scale) error against others', NaN unless the same bits."""
+            (q, sc), (rq, rs) = got, want
+            same = torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(sc, rs)
+            return name, where, *(rel_err(q.float() * sc, rq.float() * rs) if same else (float("nan"),) * 2)
+
         for m, k in ((4623, shape["hidden"]), (301, shape["intermediate"])):
             x = (torch.randn(m, k, device=dev, generator=gen) * 3).to(dtype)
-            q, sc = quantize_rows(x)
-            rq, rs = quantize_rows_reference(x)
-            same = torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(sc, rs)
-            rows.append(("fp8 activation quantisation (same bits as torch)", f"M {m}, K {k}",
-                         *(rel_err(q.float() * sc, rq.float() * rs) if same else (float("nan"), float("nan")))))
-            # the norm (hidden) and silu * up (intermediate) handing their output over quantised
+            rows.append(same_bits("fp8 activation quantisation (same bits as torch)", f"M {m}, K {k}",
+                                  quantize_rows(x), quantize_rows_reference(x)))
             w = torch.randn(k, device=dev, generator=gen).to(dtype)
-            ops = ((lambda q: add_rms_norm(x, w, 1e-6, x, quantize=q)[1]) if k == shape["hidden"] else
+            ops = ((lambda q: add_rms_norm(x, w, 1e-6, x, quantize=q)[1]) if k == shape["hidden"] else  # handed over
                    (lambda q: silu_mul(torch.cat([x, x.flip(0)], 1), quantize=q)))
-            (q, sc), (rq, rs) = ops(True), quantize_rows(ops(False))
-            same = torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(sc, rs)
-            rows.append((f"fp8 handed over by {'the norm' if k == shape['hidden'] else 'silu'} (same bits)",
-                         f"M {m}, K {k}", *(rel_err(q.float() * sc, rq.float() * rs) if same else (float("nan"),) * 2)))
+            rows.append(same_bits(f"fp8 handed over by {'the norm' if k == shape['hidden'] else 'silu'} (same bits)",
+                                  f"M {m}, K {k}", ops(True), quantize_rows(ops(False))))
     return rows
 
 
