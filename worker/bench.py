@@ -544,12 +544,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     s8 = engine_steps(t, rt, floor_s, [1], context, "fp8")
     t.add("ratio", "fp8 decode step / bf16 decode step, batch 1", f"{s8[(1, 1)] / steps[(1, 1)]:.2f}")
-    layers.DEFER_SPLIT_SUMS = False              # the same step with each product summing its K splits itself
+    deferred, layers.DEFER_SPLIT_SUMS_MAX_ROWS = layers.DEFER_SPLIT_SUMS_MAX_ROWS, 0   # each product sums its splits
     rt.graphs.clear()
     try:
         apart = engine_steps(t, rt, floor_s, [1], context, "fp8, split sums apart")
     finally:
-        layers.DEFER_SPLIT_SUMS = True
+        layers.DEFER_SPLIT_SUMS_MAX_ROWS = deferred
     t.add("ratio", "fp8 decode step, split sums in the norms / apart, batch 1", f"{s8[(1, 1)] / apart[(1, 1)]:.3f}")
     del model, rt
     if gpu:

@@ -1,11 +1,11 @@
 """GPU path check: `python -m worker.kernel_check [--shape 32b|mid|tiny]`.
 
-Compares the Triton kernels of the serving path (`worker/model/attention.py`,
-`worker/model/fused_ops.py`, `worker/model/layers.py`, `worker/model/stream_gemm.py`) with the reference torch ops on fresh
-random inputs of every shape the model uses (decode, verify(8), draft block, expert), and prints
-one row per check with the relative error ||out - ref|| / ||ref|| against an fp64 reference on the
-same (rounded) inputs, and the max abs difference. Exits 1 when any check fails its bound.
-Outputs are poisoned (NaN) before each kernel run, so an unwritten element fails.
+Compares the Triton kernels of the serving path (`worker/model/`: attention, fused_ops, layers,
+stream_gemm) with the reference torch ops on fresh random inputs of every shape the model uses
+(decode, verify(8), draft block, expert), and prints one row per check with the relative error
+||out - ref|| / ||ref|| against an fp64 reference on the same (rounded) inputs, and the max abs
+difference. Exits 1 when any check fails its bound. Outputs are poisoned (NaN) before each
+kernel run, so an unwritten element fails.
 
 On the CPU it runs the same kernels through Triton's interpreter (`TRITON_INTERPRET=1`, set by
 this module before Triton is imported) on small shapes; that is what `make test` runs.
@@ -125,8 +125,7 @@ def check_fused_ops(shape: dict, dtype, dev, gen) -> list[tuple[str, float, floa
     vq, vk = vision_rope(qkv, vh, vcos, vsin)
     rq, rk, _ = qkv.view(n, 3, vh, vd).unbind(1)
     ref_q, ref_k = apply_rotary_pos_emb_vision(rq, rk, vcos, vsin)
-    rows.append(("vision_rope q", *rel_err(vq, ref_q)))
-    rows.append(("vision_rope k", *rel_err(vk, ref_k)))
+    rows += [("vision_rope q", *rel_err(vq, ref_q)), ("vision_rope k", *rel_err(vk, ref_k))]
     return rows
 
 
@@ -171,10 +170,11 @@ def check_stream_linear(shape: dict, dtype, dev, gen) -> list[tuple[str, str, fl
             rows.append((f"{str(dtype)[6:]} weight {name}", f"M {m}, {k} -> {n}", *err))
     if dev.type == "cuda":        # (Triton's interpreter rounds some fp32 -> e4m3 casts down a binade)
         def same_bits(name: str, where: str, got, want) -> tuple:
-            """A check row: quantised rows' (e4m3, scale) error against others', NaN unless the same bits."""
+            """A check row: quantised rows' (e4m3, scale) error against others' (NaN and the count unless the same bits)."""
             (q, sc), (rq, rs) = got, want
-            same = torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(sc, rs)
-            return name, where, *(rel_err(q.float() * sc, rq.float() * rs) if same else (float("nan"),) * 2)
+            off = int((q.view(torch.uint8) != rq.view(torch.uint8)).sum()), int((sc != rs).sum())
+            return name, where + (" ({} values, {} scales differ)".format(*off) if any(off) else ""), *(
+                (float("nan"),) * 2 if any(off) else rel_err(q.float() * sc, rq.float() * rs))
 
         for m, k in ((4623, shape["hidden"]), (301, shape["intermediate"])):
             x = (torch.randn(m, k, device=dev, generator=gen) * 3).to(dtype)

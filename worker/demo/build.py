@@ -111,12 +111,6 @@ RECIPES["gpu2"] = dataclasses.replace(
     RECIPES["gpu"], name="gpu2", image_size=(128, 128),
     train={**RECIPES["gpu"].train, "steps": 1250, "key_weights": (10.0, 15.0, 3.0), "lead_repeats": 2},
     refine={**RECIPES["gpu"].refine, "steps": 1500})
-# The next candidate (docs/demo-model.md: the 4-layer decoder does not learn to compare a lead's
-# 1-2 px shift across the four frames; a probe on frame differences reads it at 0.70-0.80): twice
-# the decoder depth, shipped in bf16 to stay under 40 MB. ~1.6x gpu2's joint step: two device
-# calls, `--resume-file F --stop-at-step 700`, then the same without --stop-at-step.
-RECIPES["gpu4"] = dataclasses.replace(
-    RECIPES["gpu2"], name="gpu4", dims={**RECIPES["gpu2"].dims, "layers": 8}, ship_dtype="bfloat16")
 SHIPPED_RECIPE = "gpu2"       # what worker/demo/shipped was built with (its quality.json says so too)
 
 

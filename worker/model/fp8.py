@@ -47,7 +47,7 @@ FAST_ACCUM = True
 def quantize_rows_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x2 (M, K) -> (e4m3 (M, K), fp32 scale (M, 1)) with x2 ≈ q * scale: one scale per row, its
     largest magnitude mapped to e4m3's largest value (torch ops: five passes, fp32 temporaries)."""
-    scale = (x2.abs().amax(dim=1, keepdim=True).float() / E4M3_MAX).clamp(min=1e-12)
+    scale = (x2.abs().amax(dim=1, keepdim=True).float() * (1.0 / E4M3_MAX)).clamp(min=1e-12)
     return (x2.float() / scale).to(torch.float8_e4m3fn), scale
 
 
@@ -71,7 +71,7 @@ if triton is not None:
 
 def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows_reference` in one kernel (two reads of each row, no temporaries; the same
-    bits: IEEE division, round to nearest even) where the kernels run; the torch ops elsewhere."""
+    bits: the scale by the reciprocal's product, the values by IEEE division, round to nearest even) where the kernels run; the torch ops elsewhere."""
     if not available(x2):
         return quantize_rows_reference(x2)
     m, k = x2.shape

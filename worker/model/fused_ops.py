@@ -94,14 +94,16 @@ if triton is not None:
 
     @triton.jit
     def row_scale(amax, E4M3: tl.constexpr):
-        """A row's e4m3 scale from its largest magnitude, as torch divides (`fp8.quantize_rows_reference`):
-        IEEE division (a plain `/` compiles to an approximate one), floored at 1e-12."""
-        return tl.maximum(tl.math.div_rn(amax, tl.zeros_like(amax) + E4M3), 1e-12)
+        """A row's e4m3 scale from its largest magnitude, as `fp8.quantize_rows_reference` computes it:
+        times the fp32 reciprocal of E4M3, floored at 1e-12. (torch on CUDA turns `amax / 448` into
+        that product, on the CPU into a division; a product written out is the same bits on both,
+        H200 2026-12-01: the kernels' IEEE division differed from CUDA torch's.)"""
+        return tl.maximum(amax * (1.0 / E4M3), 1e-12)
 
     @triton.jit
     def quantize_store(Q, S, row, sq, cols, mask, yf, E4M3: tl.constexpr):
         """Row `row` of yf (fp32 values of the activation dtype) as e4m3 into Q with its scale
-        into S: `fp8.quantize_rows`' arithmetic (largest magnitude to E4M3, IEEE division)."""
+        into S: `fp8.quantize_rows`' arithmetic (largest magnitude to E4M3, the values by IEEE division)."""
         scale = row_scale(tl.max(tl.where(mask, tl.abs(yf), 0.0), 0), E4M3)
         tl.store(S + row, scale)
         tl.store(Q + row * sq + cols, tl.math.div_rn(yf, scale).to(Q.dtype.element_ty), mask=mask)
@@ -326,6 +328,13 @@ def sum_splits(part: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tenso
         HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK, num_warps=4, **launch_args(part))
 
 
+# the norm's compile options: no fused multiply-adds, so that its quantising form computes the norm
+# with the plain form's instructions (with fusion the compiler placed the variance sum's FMAs
+# differently in the two: on the H200, 5 of 23.7 M handed-over e4m3 values one step off,
+# 2026-12-01; `test_kernels_compile` compares the two forms' instructions)
+NORM_OPTIONS = {"enable_fp_fusion": False}
+
+
 def add_rms_norm(x, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
                  quantize: bool = False):
     """-> (h, norm(h) * weight) with h = x + residual (or x). x (a tensor or a `SplitSums`),
@@ -352,7 +361,7 @@ def add_rms_norm(x, weight: torch.Tensor, eps: float, residual: torch.Tensor | N
         x2.stride(0) if splits is None else 0, r2.stride(0), y.stride(0), res_out.stride(0), m, n, eps,
         HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), QUANT=quantize, E4M3=E4M3_MAX,
         SPLIT=x2.shape[0] if splits is not None else 0, HAS_SCALE=split_scale is not None,
-        num_warps=8 if n >= 4096 else 4, **launch_args(x2))
+        num_warps=8 if n >= 4096 else 4, **NORM_OPTIONS, **launch_args(x2))
     return res_out.view(shape), ((y, scale) if quantize else y.view(shape))
 
 

@@ -68,9 +68,11 @@ def fuse_projections(mods: list[nn.Module]) -> nn.Module | None:
 # a decoder step's products, split over K (`stream_gemm.split_count`: at one row the 32B shape's
 # qkv runs 2 splits, o and down 4; at 8 rows gate/up 2 too), leave their fp32 partials for the
 # kernel that reads them next to sum (q/k norm + rotary; silu * up; residual add + RMSNorm),
-# instead of a summing kernel of their own (up to four launches a layer fewer; the same bits).
-# Off: each product sums its splits itself.
-DEFER_SPLIT_SUMS = True
+# instead of a summing kernel of their own (up to four launches a layer fewer; the same bits), in
+# steps of at most this many rows; in larger ones each product sums its splits itself. The fp8
+# 32B step (H200, 2026-12-01): decode, 1 row, 9.73 ms deferred against 9.92 apart (0.981x);
+# verify(8), 8 rows, 20.60 against 14.19 ms (1.45x: one program a row sums all of a row's partials).
+DEFER_SPLIT_SUMS_MAX_ROWS = 1
 
 # products of at most this many rows with a plain `nn.Linear` weight stored (N, K) (qkv, gate/up)
 # run the Triton weight-streaming kernel instead of cuBLAS: at 1 row 25.8 / 119.0 us against
@@ -163,6 +165,7 @@ class FusedStack:
         """
         b, t, _ = h.shape
         kv_len = start + t
+        defer = b * t <= DEFER_SPLIT_SUMS_MAX_ROWS
         hidden: dict[int, torch.Tensor] = {}
         pending = None                       # the previous layer's MLP output, not yet added
         for i, layer in enumerate(self.layers):
@@ -171,14 +174,14 @@ class FusedStack:
             # split products' partials are summed by the kernel that reads them next: qkv's by the
             # q/k norm + rotary, gate/up's by silu * up, o's and down's by the residual add + norm
             h, qkv = norm_project(qkv_proj, pending if pending is not None else h, layer.input_layernorm,
-                                  residual=h if pending is not None else None, defer_sum=DEFER_SPLIT_SUMS)
+                                  residual=h if pending is not None else None, defer_sum=defer)
             k_cache, v_cache = caches[i]
             q = qk_norm_rope_write(qkv, hq, hkv, a.q_norm.weight, a.k_norm.weight, norm_eps(a.q_norm),
                                    k_cache, v_cache, start, rope_delta, inv_freq, rope_scaling)
             o = cache_attention(q, k_cache, v_cache, kv_len, causal)
-            h, gu = norm_project(gate_up_proj, project(a.o_proj, o.view(b, t, -1), DEFER_SPLIT_SUMS),
-                                 layer.post_attention_layernorm, residual=h, defer_sum=DEFER_SPLIT_SUMS)
-            pending = silu_project(mlp.down_proj, gu, DEFER_SPLIT_SUMS)
+            h, gu = norm_project(gate_up_proj, project(a.o_proj, o.view(b, t, -1), defer),
+                                 layer.post_attention_layernorm, residual=h, defer_sum=defer)
+            pending = silu_project(mlp.down_proj, gu, defer)
             if i in capture:
                 h, pending = h + summed(pending), None
                 hidden[i] = h

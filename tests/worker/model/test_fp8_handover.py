@@ -122,3 +122,19 @@ def test_fp8_layers_give_the_same_output_with_one_quantising_pass_instead_of_fou
     # the stack's step over 80 rows (2 layers), likewise; 16 rows stream the weights (nothing quantised)
     assert s["step80"]["same"] and s["step80"]["calls"] == [2, 8], s
     assert s["step16"]["same"] and s["step16"]["calls"] == [0, 0], s
+
+
+def test_row_scales_are_the_largest_magnitude_times_the_reciprocal_of_e4m3s_largest():
+    """torch on CUDA computes `amax / 448` as amax * fp32(1/448) (on the CPU as a division); the
+    kernels' IEEE division matched the CPU and missed CUDA torch in every row measured on the H200
+    (2026-12-01). The reference now says the product, which is the same bits everywhere."""
+    import torch
+
+    from worker.model.fp8 import quantize_rows_reference
+    from worker.model.fused_ops import E4M3_MAX
+
+    x = torch.linspace(0.5, 64.0, 4096).to(torch.bfloat16).unique().view(-1, 1)    # one row each
+    _, scale = quantize_rows_reference(x)
+    product = x.float() * torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)
+    assert torch.equal(scale, product.clamp(min=1e-12))
+    assert not torch.equal(product, x.float() / E4M3_MAX)     # the two forms differ on these values

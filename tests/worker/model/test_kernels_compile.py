@@ -18,9 +18,10 @@ H200 = GPUTarget("cuda", 90, 32)
 FLOATS = {"eps", "scaling", "qk_scale"}
 
 
-def compiled(fn, pointers: dict[str, str], constants: dict, warps: int = 4, stages: int = 3):
+def compiled(fn, pointers: dict[str, str], constants: dict, warps: int = 4, stages: int = 3, **options):
     """Compile fn for H200: pointers {arg: '*bf16' | '*fp8e4nv' | ...}, constants {constexpr arg:
-    value}; any other argument an i32 (fp32 where named in FLOATS) -> the compiled kernel."""
+    value}; any other argument an i32 (fp32 where named in FLOATS); options: other compile options
+    -> the compiled kernel."""
     sig = {}
     for i, name in enumerate(fn.arg_names):
         if fn.params[i].is_constexpr:
@@ -29,7 +30,7 @@ def compiled(fn, pointers: dict[str, str], constants: dict, warps: int = 4, stag
             sig[name] = pointers.get(name, "fp32" if name in FLOATS else "i32")
     assert set(pointers) <= set(sig) and set(constants) == {n for n, t in sig.items() if t == "constexpr"}, fn
     src = ASTSource(fn=fn, signature=sig, constexprs=constants)
-    return triton.compile(src, target=H200, options={"num_warps": warps, "num_stages": stages})
+    return triton.compile(src, target=H200, options={"num_warps": warps, "num_stages": stages, **options})
 
 
 def _cases():
@@ -41,7 +42,7 @@ def _cases():
                                 ("quantised out", bf, f8, dict(QUANT=True)),
                                 ("partials in, quantised out", f32, f8, dict(SPLIT=3, HAS_SCALE=True, QUANT=True))]:
         yield (f"add_rms_norm: {name}", fused_ops._add_rms_norm_kernel,
-               dict(X=x, R=bf, W=bf, Y=y, RO=bf, S=f32, SCALE=f32), {**norm, **changes}, 8)
+               dict(X=x, R=bf, W=bf, Y=y, RO=bf, S=f32, SCALE=f32), {**norm, **changes}, 8, fused_ops.NORM_OPTIONS)
     for table, qkv, split in ((False, bf, 0), (True, bf, 0), (False, f32, 2)):
         yield (f"qk_norm_rope_write, table={table}, {split} split partials in", fused_ops._qk_norm_rope_write_kernel,
                dict(QKV=qkv, QO=bf, KC=bf, VC=bf, QW=bf, KW=bf, START=i64, DELTA=i64, INV_FREQ=f32, COS=bf, SIN=bf,
@@ -72,14 +73,35 @@ def _cases():
            dict(HQ=64, T=8, D=128, S_MAX=16, TB=8, GDC=True), 4)
 
 
-CASES = list(_cases())
+CASES = [c if len(c) == 6 else (*c, {}) for c in _cases()]     # (..., compile options)
 
 
-@pytest.mark.parametrize("name, fn, pointers, constants, launch", CASES, ids=[c[0] for c in CASES])
-def test_kernel_compiles_for_the_h200(name, fn, pointers, constants, launch):
+@pytest.mark.parametrize("name, fn, pointers, constants, launch, options", CASES, ids=[c[0] for c in CASES])
+def test_kernel_compiles_for_the_h200(name, fn, pointers, constants, launch, options):
     warps, stages = launch if isinstance(launch, tuple) else (launch, 3)
-    kernel = compiled(fn, pointers, constants, warps, stages)
+    kernel = compiled(fn, pointers, constants, warps, stages, **options)
     assert kernel.asm["cubin"] and ".target sm_90" in kernel.asm["ptx"], name
+
+
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
+def test_the_quantising_norm_computes_the_norm_with_the_plain_norms_arithmetic(dtype):
+    """The norm handing e4m3 to an fp8 product (QUANT) must produce quantize_rows' bits of the
+    plain norm's output. With fused multiply-adds the compiler placed the variance sum's FMAs
+    differently in the two forms (on the H200 a few e4m3 values one step off). Compiled with
+    `fused_ops.NORM_OPTIONS` neither has an FMA, so each product is rounded and summed in the
+    order of the reduction's layout, the same layout in both."""
+    import re
+
+    def compiled_norm(quantise: bool):
+        k = compiled(fused_ops._add_rms_norm_kernel, dict(X=dtype, R=dtype, W=dtype, Y="*fp8e4nv" if quantise else dtype,
+                                                         RO=dtype, S="*fp32", SCALE="*fp32"),
+                     dict(HAS_RES=True, BLOCK=8192, QUANT=quantise, E4M3=448.0, SPLIT=0, HAS_SCALE=False, GDC=True),
+                     8, **fused_ops.NORM_OPTIONS)
+        return re.findall(r"^\s*fma\.", k.asm["ptx"], re.M), set(re.findall(r"#ttg\.blocked<[^>]*>", k.asm["ttgir"]))
+
+    (plain_fma, plain_layout), (quant_fma, quant_layout) = compiled_norm(False), compiled_norm(True)
+    assert not plain_fma and not quant_fma
+    assert plain_layout == quant_layout and len(plain_layout) == 1, (plain_layout, quant_layout)
 
 
 def test_every_launched_kernel_is_compiled_here():

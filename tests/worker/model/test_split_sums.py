@@ -1,6 +1,6 @@
 """A decoder step's products (q/k/v, gate/up, o, down), split over K, leave their fp32 partials for the
 kernel that reads them next to sum (the q/k norm + rotary, silu * up, the residual add + RMSNorm;
-`stream_gemm.stream_linear(defer_sum=True)`, `fused_ops.SplitSums`, `layers.DEFER_SPLIT_SUMS`): the
+`stream_gemm.stream_linear(defer_sum=True)`, `fused_ops.SplitSums`, `layers.DEFER_SPLIT_SUMS_MAX_ROWS`): the
 same bits as summing them in a kernel of their own, up to four launches a layer fewer. Through Triton's
 interpreter on the CPU, in one subprocess (`interpreted.py`)."""
 
@@ -91,9 +91,9 @@ def small_blocks(rows, weight_bytes=1):
 
 for rows, t, capture in [(1, 1, ()), (2, 8, (0,))]:
     res = {}
-    for defer in (True, False):
+    for defer, max_rows in ((True, 10**6), (False, 0), ("default", layers.DEFER_SPLIT_SUMS_MAX_ROWS)):
         spy = mock.Mock(wraps=fused_ops.sum_splits)
-        with mock.patch.object(layers, "DEFER_SPLIT_SUMS", defer), \
+        with mock.patch.object(layers, "DEFER_SPLIT_SUMS_MAX_ROWS", max_rows), \
                 mock.patch.object(stream_gemm, "launch_config", side_effect=small_blocks), \
                 mock.patch.object(stream_gemm, "split_count", return_value=3), \
                 mock.patch.object(fused_ops, "sum_splits", spy), mock.patch.object(stream_gemm, "sum_splits", spy):
@@ -101,7 +101,7 @@ for rows, t, capture in [(1, 1, ()), (2, 8, (0,))]:
         res[defer] = (h, hidden, spy.call_count)
     (h1, c1, n1), (h0, c0, n0) = res[True], res[False]
     out["stack"][f"{rows}x{t}"] = dict(same=torch.equal(h1, h0) and all(torch.equal(c1[i], c0[i]) for i in capture),
-                                       sum_launches=[n1, n0])
+                                       sum_launches=[n1, n0], default_sum_launches=res["default"][2])
 print(json.dumps(out))
 """
 
@@ -135,6 +135,13 @@ def test_decoder_steps_give_the_same_bits_without_summing_launches_of_their_own(
     # (and a captured layer's) summed where the stack's output needs a tensor
     assert s["1x1"]["same"] and s["1x1"]["sum_launches"] == [1, 8], s
     assert s["2x8"]["same"] and s["2x8"]["sum_launches"] == [2, 8], s
+
+
+def test_only_one_row_steps_defer_their_split_sums(interpreted):
+    # measured on the H200 (layers.DEFER_SPLIT_SUMS_MAX_ROWS): deferred sums gain at one row and
+    # cost 1.45x at 8 (a verify step); by default a 1-row step defers, a 16-row step does not
+    s = interpreted["stack"]
+    assert s["1x1"]["default_sum_launches"] == 1 and s["2x8"]["default_sum_launches"] == 8, s
 
 
 def test_fp8_products_count_the_rows_of_a_split_product(monkeypatch):
