@@ -24,9 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from worker.model import layers
 from worker.shapes import SHAPES, shape_config, write_config_only
-
 
 def _sync():
     if torch.cuda.is_available():
@@ -544,13 +542,6 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     s8 = engine_steps(t, rt, floor_s, [1], context, "fp8")
     t.add("ratio", "fp8 decode step / bf16 decode step, batch 1", f"{s8[(1, 1)] / steps[(1, 1)]:.2f}")
-    deferred, layers.DEFER_SPLIT_SUMS_MAX_ROWS = layers.DEFER_SPLIT_SUMS_MAX_ROWS, 0   # each product sums its splits
-    rt.graphs.clear()
-    try:
-        apart = engine_steps(t, rt, floor_s, [1], context, "fp8, split sums apart")
-    finally:
-        layers.DEFER_SPLIT_SUMS_MAX_ROWS = deferred
-    t.add("ratio", "fp8 decode step, split sums in the norms / apart, batch 1", f"{s8[(1, 1)] / apart[(1, 1)]:.3f}")
     del model, rt
     if gpu:
         torch.cuda.empty_cache()

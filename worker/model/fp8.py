@@ -14,12 +14,10 @@ Which product runs, by the number of rows M (tokens) of the input:
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
-from worker.model.fused_ops import E4M3_MAX, SplitSums, available
+from worker.model.fused_ops import E4M3_MAX, available
 from worker.model.stream_gemm import stream_linear, stream_linear_reference
 
 try:                                   # Triton ships with CUDA builds of torch; CPU installs may lack it
@@ -71,7 +69,8 @@ if triton is not None:
 
 def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows_reference` in one kernel (two reads of each row, no temporaries; the same
-    bits: the scale by the reciprocal's product, the values by IEEE division, round to nearest even) where the kernels run; the torch ops elsewhere."""
+    bits: the scale by the reciprocal's product, the values by IEEE division, round to nearest
+    even) where the kernels run; the torch ops elsewhere."""
     if not available(x2):
         return quantize_rows_reference(x2)
     m, k = x2.shape
@@ -121,23 +120,19 @@ class Fp8Linear(nn.Module):
         m.fast = _has_fp8_mm(weight.device) and m.in_features % 16 == 0 and m.out_features % 16 == 0
         return m
 
-    def forward(self, x: torch.Tensor, defer_sum: bool = False):
-        """defer_sum: where the weight-only kernel runs split over K, its `SplitSums` (see
-        `stream_gemm.stream_linear`) instead of the summed product."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         few_rows = x.numel() <= WEIGHT_ONLY_MAX_ROWS * self.in_features
         if few_rows and available(x):
-            return stream_linear(x, self.weight, self.weight_scale, self.bias, defer_sum=defer_sum)
+            return stream_linear(x, self.weight, self.weight_scale, self.bias)
         if few_rows or not self.fast:           # few rows without the kernels (CPU, reference_only())
             return stream_linear_reference(x, self.weight, self.weight_scale, self.bias)
         return scaled_mm_linear(x, self.weight, self.weight_scale, self.bias)
 
-    def takes_fp8(self, rows_of) -> bool:
-        """True where `forward` would quantise an input with as many rows as `rows_of` (..., any:
-        a tensor or a `SplitSums`) for `_scaled_mm` with the kernels on: then the op that makes
-        the input hands it over quantised instead (`fused_ops`' quantize=True), for `forward_fp8`."""
-        rows = math.prod(rows_of.shape[:-1])
-        return self.fast and rows > WEIGHT_ONLY_MAX_ROWS and available(
-            rows_of.part if isinstance(rows_of, SplitSums) else rows_of)
+    def takes_fp8(self, rows_of: torch.Tensor) -> bool:
+        """True where `forward` would quantise an input with as many rows as `rows_of` (..., any)
+        for `_scaled_mm` with the kernels on: then the op that makes the input hands it over
+        quantised instead (`fused_ops`' quantize=True), for `forward_fp8`."""
+        return self.fast and rows_of.numel() > WEIGHT_ONLY_MAX_ROWS * rows_of.shape[-1] and available(rows_of)
 
     def forward_fp8(self, xq: torch.Tensor, x_scale: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """`forward(x)` from x's M rows already quantised ((xq, x_scale) = `quantize_rows(x)`);

@@ -8,9 +8,6 @@ live in `decoder.py` and run on the CPU).
                       the KV cache at their positions (replaces ~14 small kernels and two scatters)
   silu_mul            silu(gate) * up over the fused gate/up projection's output
 
-A product split over K (`stream_gemm`) can hand its fp32 partials over unsummed (`SplitSums`):
-add_rms_norm sums them as `sum_splits` would (split order, scale, rounding), one launch less.
-
 add_rms_norm and silu_mul can also hand their output over quantised for an fp8 x fp8 product
 (`quantize=True`: e4m3 values and one fp32 scale per row, the bits `fp8.quantize_rows` gives for
 the output they would have written), so a prompt's activations are not read twice more and
@@ -24,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
 
 import torch
 
@@ -103,52 +99,22 @@ if triton is not None:
     @triton.jit
     def quantize_store(Q, S, row, sq, cols, mask, yf, E4M3: tl.constexpr):
         """Row `row` of yf (fp32 values of the activation dtype) as e4m3 into Q with its scale
-        into S: `fp8.quantize_rows`' arithmetic (largest magnitude to E4M3, the values by IEEE division)."""
+        into S: `fp8.quantize_rows`' arithmetic (largest magnitude to E4M3, the values by IEEE
+        division)."""
         scale = row_scale(tl.max(tl.where(mask, tl.abs(yf), 0.0), 0), E4M3)
         tl.store(S + row, scale)
         tl.store(Q + row * sq + cols, tl.math.div_rn(yf, scale).to(Q.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def split_sum(PART, SCALE, row, M, N, cols, ok, SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr):
-        """Row `row`'s columns `cols` (a block of offsets of any shape) of a product's K-split
-        partials PART (SPLIT, M, N) fp32: their sum in split order (the same bits every launch),
-        times the channel scale."""
-        acc = tl.zeros_like(cols).to(tl.float32)
-        for s in tl.static_range(SPLIT):
-            acc += tl.load(PART + (s * M + row) * N + cols, mask=ok, other=0.0)
-        if HAS_SCALE:
-            acc = acc * tl.load(SCALE + cols, mask=ok, other=0.0)
-        return acc
-
-    @triton.jit
-    def _sum_splits_kernel(PART, SCALE, BIAS, Y, M, N, sy_m, SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
-        gdc_enter(GDC)
-        row = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        ok = cols < N
-        y = split_sum(PART, SCALE, row, M, N, cols, ok, SPLIT, HAS_SCALE)
-        if HAS_BIAS:
-            y += tl.load(BIAS + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(Y + row * sy_m + cols, y.to(Y.dtype.element_ty), mask=ok)
-
-    @triton.jit
-    def _add_rms_norm_kernel(X, R, W, Y, RO, S, SCALE, sx, sr, sy, sro, m, n, eps,
+    def _add_rms_norm_kernel(X, R, W, Y, RO, S, sx, sr, sy, sro, n, eps,
                              HAS_RES: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
-                             E4M3: tl.constexpr, SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr,
-                             GDC: tl.constexpr):
+                             E4M3: tl.constexpr, GDC: tl.constexpr):
         gdc_enter(GDC)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
-        if SPLIT > 0:                        # X: a product's partials (SplitSums), summed here
-            dt = RO.dtype.element_ty
-            x = split_sum(X, SCALE, row, m, n, cols, mask, SPLIT, HAS_SCALE).to(dt)
-            if not HAS_RES:
-                tl.store(RO + row * sro + cols, x, mask=mask)
-        else:
-            x = tl.load(X + row * sx + cols, mask=mask, other=0.0)
-            dt = x.dtype
+        x = tl.load(X + row * sx + cols, mask=mask, other=0.0)
+        dt = x.dtype
         xf = x.to(tl.float32)
         if HAS_RES:
             r = tl.load(R + row * sr + cols, mask=mask, other=0.0)
@@ -165,11 +131,10 @@ if triton is not None:
             tl.store(Y + row * sy + cols, out, mask=mask)
 
     @triton.jit
-    def _qk_norm_rope_write_kernel(QKV, QO, KC, VC, QW, KW, START, DELTA, INV_FREQ, COS, SIN, SCALE,
+    def _qk_norm_rope_write_kernel(QKV, QO, KC, VC, QW, KW, START, DELTA, INV_FREQ, COS, SIN,
                                    s_row, sqo_row, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l,
-                                   scaling, eps, T, M, HQ: tl.constexpr, HKV: tl.constexpr,
-                                   D: tl.constexpr, NH: tl.constexpr, TABLE: tl.constexpr,
-                                   SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, GDC: tl.constexpr):
+                                   scaling, eps, T, HQ: tl.constexpr, HKV: tl.constexpr,
+                                   D: tl.constexpr, NH: tl.constexpr, TABLE: tl.constexpr, GDC: tl.constexpr):
         gdc_enter(GDC)
         row = tl.program_id(0)               # b * T + t: every head of one token in one program
         b = row // T
@@ -180,17 +145,11 @@ if triton is not None:
         d = tl.arange(0, D)
         partner = (d + half) % D
         valid = (h < HQ + 2 * HKV)[:, None] & (d[None, :] < D)
-        if SPLIT > 0:                        # QKV: the product's partials (SplitSums), summed here
-            dt = QO.dtype.element_ty
-            x = split_sum(QKV, SCALE, row, M, s_row, h[:, None] * D + d[None, :], valid, SPLIT, HAS_SCALE).to(dt)
-            xp = split_sum(QKV, SCALE, row, M, s_row, h[:, None] * D + partner[None, :], valid, SPLIT,
-                           HAS_SCALE).to(dt).to(tl.float32)
-        else:
-            base = QKV + row * s_row + h[:, None] * D
-            x = tl.load(base + d[None, :], mask=valid, other=0.0)
-            dt = x.dtype
-            xp = tl.load(base + partner[None, :], mask=valid, other=0.0).to(tl.float32)
+        base = QKV + row * s_row + h[:, None] * D
+        x = tl.load(base + d[None, :], mask=valid, other=0.0)
+        dt = x.dtype
         xf = x.to(tl.float32)
+        xp = tl.load(base + partner[None, :], mask=valid, other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, 1) / D + eps)[:, None]
         is_q = (h < HQ)[:, None]
         w = tl.where(is_q, tl.load(QW + d)[None, :], tl.load(KW + d)[None, :]).to(tl.float32)
@@ -221,28 +180,18 @@ if triton is not None:
         """silu(gate) * up at columns `cols` of one gate/up row (0 past n), rounded to
         the activation dtype, in fp32."""
         mask = cols < n
-        return silu_mul_values(tl.load(ROW + cols, mask=mask, other=0.0), tl.load(ROW + n + cols, mask=mask, other=0.0))
-
-    @triton.jit
-    def silu_mul_values(g, u):
-        """silu(g) * u rounded as transformers' Qwen3MLP does in g's dtype, returned in fp32."""
+        g = tl.load(ROW + cols, mask=mask, other=0.0)
+        u = tl.load(ROW + n + cols, mask=mask, other=0.0)
         gf = g.to(tl.float32)
         act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
         return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
 
     @triton.jit
-    def _silu_mul_kernel(GU, Y, SCALE, s_row, sy_row, m, n, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
-                         HAS_SCALE: tl.constexpr, GDC: tl.constexpr):
+    def _silu_mul_kernel(GU, Y, s_row, sy_row, n, BLOCK: tl.constexpr, GDC: tl.constexpr):
         gdc_enter(GDC)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        if SPLIT > 0:                        # GU: the gate/up product's partials (SplitSums), summed here
-            dt = Y.dtype.element_ty
-            ok = cols < n
-            y = silu_mul_values(split_sum(GU, SCALE, row, m, 2 * n, cols, ok, SPLIT, HAS_SCALE).to(dt),
-                                split_sum(GU, SCALE, row, m, 2 * n, cols + n, ok, SPLIT, HAS_SCALE).to(dt))
-        else:
-            y = silu_mul_block(GU + row * s_row, cols, n)
+        y = silu_mul_block(GU + row * s_row, cols, n)
         tl.store(Y + row * sy_row + cols, y.to(Y.dtype.element_ty), mask=cols < n)
 
     @triton.jit
@@ -291,96 +240,46 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-@dataclass(frozen=True)
-class SplitSums:
-    """A product left as its K splits' fp32 partials, part (S, M, N) (`stream_gemm.stream_linear`'s
-    defer_sum); its value: their sum in split order, times scale (N,) when not None, rounded to
-    dtype, shaped `shape` (..., N). `add_rms_norm` and `qk_norm_rope_write` take it as their
-    input; `result()` sums it alone. The same bits either way for bf16 and fp16 activations; for
-    fp32 ones (never on the GPU path) the compiler may contract the scale into the next add
-    (one FMA), a last-bit difference."""
-
-    part: torch.Tensor
-    scale: torch.Tensor | None
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    def result(self) -> torch.Tensor:
-        y = torch.empty(self.part.shape[1:], dtype=self.dtype, device=self.part.device)
-        sum_splits(self.part, self.scale, None, y)
-        return y.view(self.shape)
-
-
-def summed(x):
-    """x, or a `SplitSums`' value."""
-    return x.result() if isinstance(x, SplitSums) else x
-
-
-SUM_BLOCK = 1024                       # output columns per program of the split-sum kernel
-
-
-def sum_splits(part: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, y: torch.Tensor) -> None:
-    """y (M, N) = the sum of part (S, M, N) in split order, times scale (N,), plus bias (N,)."""
-    splits, m, n = part.shape
-    s = scale if scale is not None else y
-    _sum_splits_kernel[(m, triton.cdiv(n, SUM_BLOCK))](
-        part, s, bias if bias is not None else s, y, m, n, y.stride(0), SPLIT=splits, HAS_SCALE=scale is not None,
-        HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK, num_warps=4, **launch_args(part))
-
-
 # the norm's compile options: no fused multiply-adds, so that its quantising form computes the norm
-# with the plain form's instructions (with fusion the compiler placed the variance sum's FMAs
+# with the plain form's arithmetic (with fusion the compiler placed the variance sum's FMAs
 # differently in the two: on the H200, 5 of 23.7 M handed-over e4m3 values one step off,
-# 2026-12-01; `test_kernels_compile` compares the two forms' instructions)
+# 2026-12-01; `test_kernels_compile` compares the two forms)
 NORM_OPTIONS = {"enable_fp_fusion": False}
 
 
-def add_rms_norm(x, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
                  quantize: bool = False):
-    """-> (h, norm(h) * weight) with h = x + residual (or x). x (a tensor or a `SplitSums`),
-    residual (..., N). quantize: -> (h, (e4m3 (M, N), fp32 scale (M, 1))) of norm(h) * weight's
-    M rows."""
-    splits = x if isinstance(x, SplitSums) else None
-    if splits is not None:
-        shape, dtype, x2 = splits.shape, splits.dtype, splits.part
-        m, n = x2.shape[1:]
-    else:
-        shape, dtype, x2 = x.shape, x.dtype, _rows(x)
-        m, n = x2.shape
-    dev = x2.device
+    """-> (h, norm(h) * weight) with h = x + residual (or x). x, residual (..., N).
+    quantize: -> (h, (e4m3 (M, N), fp32 scale (M, 1))) of norm(h) * weight's M = x.numel() / N rows."""
+    x2 = _rows(x)
+    m, n = x2.shape
     if quantize:
-        y = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=dev)
-        scale = torch.empty(m, 1, dtype=torch.float32, device=dev)
+        y = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=x.device)
+        scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     else:
-        y = scale = torch.empty(m, n, dtype=dtype, device=dev)
-    res_out = x2 if residual is None and splits is None else torch.empty(m, n, dtype=dtype, device=dev)
-    r2 = _rows(residual) if residual is not None else res_out
-    split_scale = splits.scale if splits is not None else None
+        y = scale = torch.empty_like(x2)
+    res_out = torch.empty_like(x2) if residual is not None else x2
+    r2 = _rows(residual) if residual is not None else x2
     _add_rms_norm_kernel[(m,)](
-        x2, r2, weight, y, res_out, scale, split_scale if split_scale is not None else weight,
-        x2.stride(0) if splits is None else 0, r2.stride(0), y.stride(0), res_out.stride(0), m, n, eps,
+        x2, r2, weight, y, res_out, scale, x2.stride(0), r2.stride(0), y.stride(0), res_out.stride(0), n, eps,
         HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), QUANT=quantize, E4M3=E4M3_MAX,
-        SPLIT=x2.shape[0] if splits is not None else 0, HAS_SCALE=split_scale is not None,
         num_warps=8 if n >= 4096 else 4, **NORM_OPTIONS, **launch_args(x2))
-    return res_out.view(shape), ((y, scale) if quantize else y.view(shape))
+    return res_out.view(x.shape), ((y, scale) if quantize else y.view(x.shape))
 
 
-def qk_norm_rope_write(qkv, q_heads: int, kv_heads: int, q_norm_weight: torch.Tensor,
+def qk_norm_rope_write(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_norm_weight: torch.Tensor,
                        k_norm_weight: torch.Tensor, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        start: torch.Tensor, rope_delta: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None,
                        scaling: float = 1.0, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """qkv (B, T, (Hq + 2 Hkv) D) (a tensor or a `SplitSums`) -> q (B, T, Hq, D) normed and
-    rotated; k (normed, rotated) and v
+    """qkv (B, T, (Hq + 2 Hkv) D) -> q (B, T, Hq, D) normed and rotated; k (normed, rotated) and v
     written into k_cache/v_cache (>= B, Hkv, L, D) at positions start[b] + t, rotary position
     start[b] + t + rope_delta[b] (inv_freq, scaling), or, with cos_sin, the rotary of those rows
     (each (B, T, D) contiguous in the activation dtype, scaling included: transformers' rotary
     embedding's output, multimodal positions of a prompt)."""
     b, t, width = qkv.shape
     d = width // (q_heads + 2 * kv_heads)
-    splits = qkv if isinstance(qkv, SplitSums) else None
-    rows = splits.part if splits is not None else qkv.reshape(b * t, width)
-    q = torch.empty(b, t, q_heads, d, dtype=qkv.dtype, device=rows.device)
-    split_scale = splits.scale if splits is not None else None
+    q = torch.empty(b, t, q_heads, d, dtype=qkv.dtype, device=qkv.device)
+    rows = qkv.reshape(b * t, width)
     heads = q_heads + 2 * kv_heads
     if cos_sin is not None:
         cos, sin = (c.expand(b, t, d).contiguous() for c in cos_sin)
@@ -389,28 +288,16 @@ def qk_norm_rope_write(qkv, q_heads: int, kv_heads: int, q_norm_weight: torch.Te
         cos = sin = rows
     _qk_norm_rope_write_kernel[(b * t,)](
         rows, q, k_cache, v_cache, q_norm_weight, k_norm_weight, start, rope_delta, inv_freq, cos, sin,
-        split_scale if split_scale is not None else q_norm_weight,
-        width if splits is not None else rows.stride(0), q_heads * d, k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scaling, eps, t, b * t,
+        rows.stride(0), q_heads * d, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scaling, eps, t,
         HQ=q_heads, HKV=kv_heads, D=d, NH=triton.next_power_of_2(heads), TABLE=cos_sin is not None,
-        SPLIT=rows.shape[0] if splits is not None else 0, HAS_SCALE=split_scale is not None,
         num_warps=4 if heads > 32 else 2, **launch_args(rows))
     return q
 
 
-def silu_mul(gate_up, quantize: bool = False):
-    """gate_up (..., 2 I) = cat(gate, up) (a tensor, or a `SplitSums`) -> silu(gate) * up (..., I).
+def silu_mul(gate_up: torch.Tensor, quantize: bool = False):
+    """gate_up (..., 2 I) = cat(gate, up) -> silu(gate) * up (..., I).
     quantize: -> (e4m3 (M, I), fp32 scale (M, 1)) of its M = gate_up.numel() / 2 I rows."""
-    if isinstance(gate_up, SplitSums):
-        if quantize:
-            return silu_mul(gate_up.result(), quantize=True)
-        part, scale = gate_up.part, gate_up.scale
-        splits, m, n2 = part.shape
-        y = torch.empty(m, n2 // 2, dtype=gate_up.dtype, device=part.device)
-        _silu_mul_kernel[(m, triton.cdiv(n2 // 2, SILU_BLOCK))](
-            part, y, scale if scale is not None else part, n2, y.stride(0), m, n2 // 2, BLOCK=SILU_BLOCK,
-            SPLIT=splits, HAS_SCALE=scale is not None, num_warps=4, **launch_args(part))
-        return y.view(*gate_up.shape[:-1], n2 // 2)
     x2 = _rows(gate_up)
     n = x2.shape[1] // 2
     if quantize:
@@ -421,9 +308,8 @@ def silu_mul(gate_up, quantize: bool = False):
                                               num_warps=8 if n >= 4096 else 4, **launch_args(x2))
         return q, scale
     y = torch.empty(x2.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
-    _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, SILU_BLOCK))](
-        x2, y, x2, x2.stride(0), y.stride(0), x2.shape[0], n, BLOCK=SILU_BLOCK, SPLIT=0, HAS_SCALE=False,
-        num_warps=4, **launch_args(x2))
+    _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, SILU_BLOCK))](x2, y, x2.stride(0), y.stride(0), n, BLOCK=SILU_BLOCK,
+                                                                num_warps=4, **launch_args(x2))
     return y.view(*gate_up.shape[:-1], n)
 
 

@@ -28,7 +28,7 @@ from worker.model.attention import cache_attention
 from worker.model.fp8 import Fp8Linear
 from worker.model.stream_gemm import stream_linear
 from worker.model.fused_ops import available as fused_available
-from worker.model.fused_ops import add_rms_norm, qk_norm_rope_write, silu_mul, summed
+from worker.model.fused_ops import add_rms_norm, qk_norm_rope_write, silu_mul
 
 
 def norm_eps(norm: nn.Module) -> float:
@@ -65,15 +65,6 @@ def fuse_projections(mods: list[nn.Module]) -> nn.Module | None:
     return None
 
 
-# a decoder step's products, split over K (`stream_gemm.split_count`: at one row the 32B shape's
-# qkv runs 2 splits, o and down 4; at 8 rows gate/up 2 too), leave their fp32 partials for the
-# kernel that reads them next to sum (q/k norm + rotary; silu * up; residual add + RMSNorm),
-# instead of a summing kernel of their own (up to four launches a layer fewer; the same bits), in
-# steps of at most this many rows; in larger ones each product sums its splits itself. The fp8
-# 32B step (H200, 2026-12-01): decode, 1 row, 9.73 ms deferred against 9.92 apart (0.981x);
-# verify(8), 8 rows, 20.60 against 14.19 ms (1.45x: one program a row sums all of a row's partials).
-DEFER_SPLIT_SUMS_MAX_ROWS = 1
-
 # products of at most this many rows with a plain `nn.Linear` weight stored (N, K) (qkv, gate/up)
 # run the Triton weight-streaming kernel instead of cuBLAS: at 1 row 25.8 / 119.0 us against
 # 28.1 / 130.6 for the 32B layer, at 8 rows 27.6 / 123.0 against 28.0 / 128.7 (H200, 2026-12-01);
@@ -81,28 +72,26 @@ DEFER_SPLIT_SUMS_MAX_ROWS = 1
 GEMV_MAX_ROWS = 8
 
 
-def project(m: nn.Module, x: torch.Tensor, defer_sum: bool = False):
+def project(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """m(x) for a projection of the fused path: few rows (`GEMV_MAX_ROWS`) of a plain `nn.Linear`
     whose weight is stored (N, K) through the weight-streaming kernel; anything else (more rows,
-    weights stored transposed for cuBLAS, fp8 modules) through the module. defer_sum (a product
-    that `add_rms_norm`, `qk_norm_rope_write` or `silu_mul` reads next): a weight-streaming product
-    split over K comes back as its `SplitSums`, which that kernel sums."""
+    weights stored transposed for cuBLAS, fp8 modules) through the module."""
     if (GEMV_MAX_ROWS and type(m) is nn.Linear and m.weight.stride(1) == 1
             and x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and fused_available(x)):
-        return stream_linear(x, m.weight, None, m.bias, defer_sum=defer_sum)
-    return m(x, defer_sum=defer_sum) if defer_sum and isinstance(m, Fp8Linear) else m(x)
+        return stream_linear(x, m.weight, None, m.bias)
+    return m(x)
 
 
-def norm_project(proj, x, norm: nn.Module, residual: torch.Tensor | None = None, defer_sum: bool = False):
-    """(h, proj(rms_norm(h))) with h = x + residual (or x; x a tensor, or a `SplitSums` with a
-    residual); proj: a projection, or a tuple of projections whose outputs are concatenated.
-    Where proj multiplies in fp8 x fp8 (`Fp8Linear.takes_fp8`: a prompt's rows on the GPU), the
-    norm hands its output over quantised; defer_sum as in `project`."""
+def norm_project(proj, x: torch.Tensor, norm: nn.Module,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, proj(rms_norm(h))) with h = x + residual (or x); proj: a projection, or a tuple of
+    projections whose outputs are concatenated. Where proj multiplies in fp8 x fp8
+    (`Fp8Linear.takes_fp8`: a prompt's rows on the GPU), the norm hands its output over quantised."""
     if isinstance(proj, Fp8Linear) and proj.takes_fp8(x):
         h, (xq, scale) = add_rms_norm(x, norm.weight, norm_eps(norm), residual=residual, quantize=True)
         return h, proj.forward_fp8(xq, scale, h)
     h, y = add_rms_norm(x, norm.weight, norm_eps(norm), residual=residual)
-    return h, (concat_project(proj, y) if isinstance(proj, tuple) else project(proj, y, defer_sum))
+    return h, (concat_project(proj, y) if isinstance(proj, tuple) else project(proj, y))
 
 
 def concat_project(proj, x: torch.Tensor) -> torch.Tensor:
@@ -111,13 +100,12 @@ def concat_project(proj, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([m(x) for m in proj], -1) if isinstance(proj, tuple) else proj(x)
 
 
-def silu_project(down: nn.Module, gate_up, defer_sum: bool = False):
-    """down(silu(gate) * up) of the fused gate/up output (..., 2 I) (a tensor or a `SplitSums`);
-    handed over quantised where down multiplies in fp8 x fp8, as in `norm_project`; defer_sum as
-    in `project`."""
+def silu_project(down: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate) * up) of the fused gate/up output (..., 2 I); handed over quantised where
+    down multiplies in fp8 x fp8, as in `norm_project`."""
     if isinstance(down, Fp8Linear) and down.takes_fp8(gate_up):
         return down.forward_fp8(*silu_mul(gate_up, quantize=True), gate_up)
-    return project(down, silu_mul(gate_up), defer_sum)
+    return project(down, silu_mul(gate_up))
 
 
 def store_transposed(m: nn.Module) -> None:
@@ -165,28 +153,25 @@ class FusedStack:
         """
         b, t, _ = h.shape
         kv_len = start + t
-        defer = b * t <= DEFER_SPLIT_SUMS_MAX_ROWS
         hidden: dict[int, torch.Tensor] = {}
         pending = None                       # the previous layer's MLP output, not yet added
         for i, layer in enumerate(self.layers):
             a, mlp = layer.self_attn, layer.mlp
             qkv_proj, gate_up_proj, (hq, hkv) = self.parts[i]
-            # split products' partials are summed by the kernel that reads them next: qkv's by the
-            # q/k norm + rotary, gate/up's by silu * up, o's and down's by the residual add + norm
             h, qkv = norm_project(qkv_proj, pending if pending is not None else h, layer.input_layernorm,
-                                  residual=h if pending is not None else None, defer_sum=defer)
+                                  residual=h if pending is not None else None)
             k_cache, v_cache = caches[i]
             q = qk_norm_rope_write(qkv, hq, hkv, a.q_norm.weight, a.k_norm.weight, norm_eps(a.q_norm),
                                    k_cache, v_cache, start, rope_delta, inv_freq, rope_scaling)
             o = cache_attention(q, k_cache, v_cache, kv_len, causal)
-            h, gu = norm_project(gate_up_proj, project(a.o_proj, o.view(b, t, -1), defer),
-                                 layer.post_attention_layernorm, residual=h, defer_sum=defer)
-            pending = silu_project(mlp.down_proj, gu, defer)
+            h, gu = norm_project(gate_up_proj, project(a.o_proj, o.view(b, t, -1)), layer.post_attention_layernorm,
+                                 residual=h)
+            pending = silu_project(mlp.down_proj, gu)
             if i in capture:
-                h, pending = h + summed(pending), None
+                h, pending = h + pending, None
                 hidden[i] = h
         if pending is not None:
-            h = h + summed(pending)
+            h = h + pending
         return h, hidden
 
     def prefill_layer(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

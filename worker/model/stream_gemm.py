@@ -16,11 +16,9 @@ Two forms, chosen per number of rows by `LAUNCH_CONFIGS`:
   dot   a (BLOCK_M, BLOCK_N) tile per program through tensor cores (tl.dot, BLOCK_M >= 16)
 Both split K across programs when the output tiles alone would leave multiprocessors idle
 (`split_count`): each split writes an fp32 partial and a second kernel sums the splits in a
-fixed order (no atomics), so a second launch gives the same bits; or, with `defer_sum`, the
-kernel that reads the product next sums them (`SplitSums`: the o and down products of a decoder
-step, summed by the residual add + RMSNorm after them) with the same arithmetic, one launch less.
-Launch shapes depend only on (M, N, K) and the device, so a CUDA graph captures them (no host
-sync; the workspace's size is fixed by the captured shapes).
+fixed order (no atomics), so a second launch gives the same bits. Launch shapes depend only on
+(M, N, K) and the device, so a CUDA graph captures them (no host sync; the workspace's size is
+fixed by the captured shapes).
 
 Public designs read first (none copied): gemlite's GEMV / split-K kernels (autotuned, split-K
 summed with atomic adds: not deterministic), vLLM's Triton w8a16 and FBGEMM's fp8 row-wise
@@ -39,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker.model.fused_ops import SplitSums, launch_args, sum_splits
+from worker.model.fused_ops import launch_args
 
 try:                                   # Triton ships with CUDA builds of torch; CPU installs may lack it
     import triton
@@ -73,6 +71,7 @@ PROGRAMS_PER_SM = 8                    # split K until about this many programs 
                                        # the 32B qkv and gate/up products fastest unsplit at 1-8 rows)
 MIN_STEPS_PER_SPLIT = 4                # ... while each split still streams this many BLOCK_K steps
 MAX_SPLITS = 16
+REDUCE_BLOCK = 1024                    # output columns per program of the split-sum kernel
 SMS_WITHOUT_CUDA = 132                 # the interpreter's stand-in for a device's multiprocessor count
 # Triton chooses interpreter or compiler when the kernels below are defined (module import)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -171,17 +170,33 @@ if triton is not None:
         else:
             tl.store(PART + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
 
+    @triton.jit
+    def _sum_splits_kernel(PART, SCALE, BIAS, Y, M, N, sy_m, SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):
+        gdc_enter(GDC)
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < N
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):                        # fixed order: the same bits every launch
+            acc += tl.load(PART + (s * M + row) * N + cols, mask=ok, other=0.0)
+        y = acc
+        if HAS_SCALE:
+            y = y * tl.load(SCALE + cols, mask=ok, other=0.0)
+        if HAS_BIAS:
+            y += tl.load(BIAS + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(Y + row * sy_m + cols, y.to(Y.dtype.element_ty), mask=ok)
+
 
 def stream_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
                   bias: torch.Tensor | None = None,
                   out: torch.Tensor | None = None, config: LaunchConfig | None = None,
-                  splits: int | None = None, defer_sum: bool = False):
+                  splits: int | None = None) -> torch.Tensor:
     """x (..., K), weight (N, K) e4m3 (or, with scale None, in x's dtype: a plain product), scale (N,)
     fp32 or None, bias (N,) or None -> (..., N) in x's dtype (written into `out`, contiguous
     (..., N), when given). The weight may be any (N, K) view with one unit stride (a transposed
     (K, N) store too). `config` / `splits` override the table and the split rule (the GPU sweep
-    compares them). defer_sum (no bias, no out): a product split over K comes back as its
-    `SplitSums`, for the kernel that reads it next to sum."""
+    compares them)."""
     n, k = weight.shape
     if 1 not in weight.stride():
         raise ValueError(f"stream_linear: weight must be contiguous along N or K (strides {tuple(weight.stride())})")
@@ -195,13 +210,8 @@ def stream_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     steps = -(-k // config.block_k)
     k_per_split = -(-steps // splits) * config.block_k
     splits = -(-k // k_per_split)                   # no empty split
-    deferred = splits > 1 and defer_sum and bias is None and out is None
-    part = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device) if splits > 1 else None
-    if deferred:
-        y = part[0]                                 # (not written)
-    else:
-        y = torch.empty(rows, n, dtype=x.dtype, device=x.device) if out is None else out.view(rows, n)
-    part = y if part is None else part
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device) if out is None else out.view(rows, n)
+    part = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device) if splits > 1 else y
     s = scale if scale is not None else y
     b = bias if bias is not None else s
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(rows, config.block_m), splits)
@@ -210,8 +220,8 @@ def stream_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
                      BLOCK_K=config.block_k, SPLIT=splits, EVEN_K=k % config.block_k == 0,
                      HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, DOT_FP32=_INTERPRETED,
                      num_warps=config.warps, num_stages=config.stages, **launch_args(x2))
-    if deferred:
-        return SplitSums(part, scale, (*x.shape[:-1], n), x.dtype)
     if splits > 1:
-        sum_splits(part, scale, bias, y)
+        _sum_splits_kernel[(rows, triton.cdiv(n, REDUCE_BLOCK))](
+            part, s, b, y, rows, n, y.stride(0), SPLIT=splits, HAS_SCALE=scale is not None,
+            HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4, **launch_args(x2))
     return y.view(*x.shape[:-1], n)

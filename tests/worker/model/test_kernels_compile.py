@@ -35,31 +35,25 @@ def compiled(fn, pointers: dict[str, str], constants: dict, warps: int = 4, stag
 
 def _cases():
     bf, f8, f32, i64 = "*bf16", "*fp8e4nv", "*fp32", "*i64"
-    norm = dict(HAS_RES=True, BLOCK=8192, QUANT=False, E4M3=448.0, SPLIT=0, HAS_SCALE=False, GDC=True)
-    for name, x, y, changes in [("plain", bf, bf, {}), ("first layer", bf, bf, dict(HAS_RES=False)),
-                                ("split partials in", f32, bf, dict(SPLIT=4, HAS_SCALE=True)),
-                                ("split partials, no residual", f32, bf, dict(SPLIT=4, HAS_RES=False)),
-                                ("quantised out", bf, f8, dict(QUANT=True)),
-                                ("partials in, quantised out", f32, f8, dict(SPLIT=3, HAS_SCALE=True, QUANT=True))]:
+    norm = dict(HAS_RES=True, BLOCK=8192, QUANT=False, E4M3=448.0, GDC=True)
+    for name, y, changes in [("plain", bf, {}), ("first layer", bf, dict(HAS_RES=False)),
+                             ("quantised out", f8, dict(QUANT=True))]:
         yield (f"add_rms_norm: {name}", fused_ops._add_rms_norm_kernel,
-               dict(X=x, R=bf, W=bf, Y=y, RO=bf, S=f32, SCALE=f32), {**norm, **changes}, 8, fused_ops.NORM_OPTIONS)
-    for table, qkv, split in ((False, bf, 0), (True, bf, 0), (False, f32, 2)):
-        yield (f"qk_norm_rope_write, table={table}, {split} split partials in", fused_ops._qk_norm_rope_write_kernel,
-               dict(QKV=qkv, QO=bf, KC=bf, VC=bf, QW=bf, KW=bf, START=i64, DELTA=i64, INV_FREQ=f32, COS=bf, SIN=bf,
-                    SCALE=f32),
-               dict(HQ=64, HKV=8, D=128, NH=128, TABLE=table, SPLIT=split, HAS_SCALE=split > 0, GDC=True), 4)
-    for gu, split in ((bf, 0), (f32, 2)):
-        yield (f"silu_mul, {split} split partials in", fused_ops._silu_mul_kernel, dict(GU=gu, Y=bf, SCALE=f32),
-               dict(BLOCK=fused_ops.SILU_BLOCK, SPLIT=split, HAS_SCALE=split > 0, GDC=True), 4)
+               dict(X=bf, R=bf, W=bf, Y=y, RO=bf, S=f32), {**norm, **changes}, 8, fused_ops.NORM_OPTIONS)
+    for table in (False, True):
+        yield (f"qk_norm_rope_write, table={table}", fused_ops._qk_norm_rope_write_kernel,
+               dict(QKV=bf, QO=bf, KC=bf, VC=bf, QW=bf, KW=bf, START=i64, DELTA=i64, INV_FREQ=f32, COS=bf, SIN=bf),
+               dict(HQ=64, HKV=8, D=128, NH=128, TABLE=table, GDC=True), 4)
+    yield ("silu_mul", fused_ops._silu_mul_kernel, dict(GU=bf, Y=bf), dict(BLOCK=fused_ops.SILU_BLOCK, GDC=True), 4)
     yield ("silu_mul quantised", fused_ops._silu_mul_rows_kernel, dict(GU=bf, Q=f8, S=f32),
            dict(BLOCK=4096, E4M3=448.0, GDC=True), 8)
-    yield ("sum_splits", fused_ops._sum_splits_kernel, dict(PART=f32, SCALE=f32, BIAS=bf, Y=bf),
-           dict(SPLIT=4, HAS_SCALE=True, HAS_BIAS=False, BLOCK=fused_ops.SUM_BLOCK, GDC=True), 4)
+    yield ("sum_splits", stream_gemm._sum_splits_kernel, dict(PART=f32, SCALE=f32, BIAS=bf, Y=bf),
+           dict(SPLIT=4, HAS_SCALE=True, HAS_BIAS=False, BLOCK=stream_gemm.REDUCE_BLOCK, GDC=True), 4)
     yield ("vision_rope", fused_ops._vision_rope_kernel, dict(QKV=bf, Q=bf, K=bf, COS=f32, SIN=f32),
            dict(H=16, D=72, NH=16, BD=128, GDC=True), 4)
     yield ("quantize_rows", fp8._quantize_rows_kernel, dict(X=bf, Q=f8, S=f32), dict(BLOCK=4096, E4M3=448.0), 8)
     for rows, c in stream_gemm.LAUNCH_CONFIGS:
-        for w, split, y in ((f8, 1, bf), (f8, 4, bf), (f8, 4, f32), (bf, 1, bf)):   # (f32 Y: sum deferred)
+        for w, split, y in ((f8, 1, bf), (f8, 4, bf), (bf, 1, bf)):
             yield (f"stream product, {rows} rows, {w[1:]} weight, {split} splits, {y[1:]} Y", stream_gemm._stream_kernel,
                    dict(X=bf, W=w, SCALE=f32, BIAS=bf, Y=y, PART=f32),
                    dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=split, EVEN_K=True,
@@ -94,8 +88,8 @@ def test_the_quantising_norm_computes_the_norm_with_the_plain_norms_arithmetic(d
 
     def compiled_norm(quantise: bool):
         k = compiled(fused_ops._add_rms_norm_kernel, dict(X=dtype, R=dtype, W=dtype, Y="*fp8e4nv" if quantise else dtype,
-                                                         RO=dtype, S="*fp32", SCALE="*fp32"),
-                     dict(HAS_RES=True, BLOCK=8192, QUANT=quantise, E4M3=448.0, SPLIT=0, HAS_SCALE=False, GDC=True),
+                                                         RO=dtype, S="*fp32"),
+                     dict(HAS_RES=True, BLOCK=8192, QUANT=quantise, E4M3=448.0, GDC=True),
                      8, **fused_ops.NORM_OPTIONS)
         return re.findall(r"^\s*fma\.", k.asm["ptx"], re.M), set(re.findall(r"#ttg\.blocked<[^>]*>", k.asm["ttgir"]))
 
