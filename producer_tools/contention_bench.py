@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             wall = time.perf_counter() - t0
             for f in side:
                 f.result()
-            st = {k: statistics.median(r.timings_ms[k] for r in res) for k in ("prefill", "decode", "diffusion")}
+            st = {k: statistics.fmean(r.timings_ms[k] for r in res) for k in ("prefill", "decode", "diffusion")}
             untimed = wall - (b * st["prefill"] + st["decode"] + st["diffusion"]) / 1e3
             print(f"{tag}, batch {n}: {wall:.2f} s, {untimed:.2f} s outside the timed stages", flush=True)
             walls.append(wall)

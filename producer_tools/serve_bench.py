@@ -146,14 +146,18 @@ def engine_only(env: dict[str, str], reqs: list[S.InferRequest], batch: int):
 STAGES = ("prefill", "decode", "diffusion")
 
 
-def stage_medians(results: dict, direct: dict) -> tuple[str, dict[str, float], dict[str, float]]:
-    """Median per-scene engine stage times, Kafka path / engine alone ("prefill 410 / 402 ms, ..."):
-    a stage slower inside the worker points at contention for the host (the engine thread shares
-    the process with intake and the Kafka clients); equal stages point elsewhere (`engine_split`).
-    -> (text, {stage: ms} Kafka path, {stage: ms} alone)."""
-    kafka = {s: statistics.median(getattr(r.metrics.timings, f"{s}_ms") for r, _ in results.values()) for s in STAGES}
-    alone = {s: statistics.median(r.timings_ms.get(s, 0.0) for r in direct.values()) for s in STAGES}
-    return ", ".join(f"{s} {kafka[s]:.0f} / {alone[s]:.0f} ms" for s in STAGES), kafka, alone
+def stage_times(results: dict, direct: dict) -> tuple[str, dict[str, float], dict[str, float]]:
+    """Per-scene engine stage times, Kafka path / engine alone, as text of medians and means
+    ("prefill 410 / 402 ms (mean 431 / 403), ..."): a stage slower inside the worker points at
+    contention for the host (the engine thread shares the process with intake and the Kafka
+    clients); equal stages point elsewhere (`engine_split`). -> (text, {stage: mean ms} Kafka path,
+    {stage: mean ms} alone): means, since a batch's stages are its scenes' sum (a median hides a
+    batch's slow scenes, and the time they took then counted as outside the stages)."""
+    kafka = {s: [getattr(r.metrics.timings, f"{s}_ms") for r, _ in results.values()] for s in STAGES}
+    alone = {s: [r.timings_ms.get(s, 0.0) for r in direct.values()] for s in STAGES}
+    text = ", ".join(f"{s} {statistics.median(kafka[s]):.0f} / {statistics.median(alone[s]):.0f} ms (mean "
+                     f"{statistics.fmean(kafka[s]):.0f} / {statistics.fmean(alone[s]):.0f})" for s in STAGES)
+    return text, {s: statistics.fmean(v) for s, v in kafka.items()}, {s: statistics.fmean(v) for s, v in alone.items()}
 
 
 def batch_stage_s(ms: dict[str, float], scenes_per_batch: float) -> float:
@@ -170,7 +174,7 @@ def table(kafka_sps: float, engine_sps: float, n: int, answered: int, dead: int,
              answered == n),
             ("reasoning identical to the engine alone's (informational)", f"{same_text} of {compared}", None)]
     if stages:
-        rows.append(("median engine stage per scene, Kafka path / engine alone (informational)", stages, None))
+        rows.append(("engine stage per scene, median (mean), Kafka path / engine alone (informational)", stages, None))
     if engine:
         rows.append(("engine thread, Kafka path (informational)", engine, None))
     if first_answer_s is not None:
@@ -231,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     stages, untimed = "", None
     alone_batches = -(-len(reqs) // args.batch)
     if results and direct:
-        stages, kafka_ms, alone_ms = stage_medians(results, direct)
+        stages, kafka_ms, alone_ms = stage_times(results, direct)
         n_kafka = max(engine["batches"], 1.0)
         untimed = (engine["infer"] / n_kafka - batch_stage_s(kafka_ms, len(results) / n_kafka),
                    alone_s / alone_batches - batch_stage_s(alone_ms, len(direct) / alone_batches))
