@@ -156,6 +156,8 @@ async def test_sigkill_mid_run_and_restart_answers_everything(
     second = Proc({**env, "ALPAMAYO_MAX_BATCH_WAIT_MS": "200"}, tmp_path / "second.log")
     procs.append(second)
     await second.wait_ready()
+    # a serving process moves what it loaded out of the garbage collector's reach (process.load_and_freeze)
+    assert re.search(r"objects frozen for the garbage collector: [1-9]\d*", second.log_path.read_text(errors="replace"))
     await produce(kafka_bootstrap, req_t, [request_item(mate)], partition_of=lambda i: 0)
     out = await collect(kafka_bootstrap, res_t, dl_t, partitions=1, expected=[r.request_id for r in reqs],
                         timeout=150, settle=2.0)
