@@ -41,7 +41,6 @@ WEIGHT_ONLY_MAX_ROWS = 64
 FAST_ACCUM = True
 
 
-
 def quantize_rows_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x2 (M, K) -> (e4m3 (M, K), fp32 scale (M, 1)) with x2 ≈ q * scale: one scale per row, its
     largest magnitude mapped to e4m3's largest value (torch ops: five passes, fp32 temporaries)."""
