@@ -365,6 +365,43 @@ def to_fp8(rt, model) -> None:
     rt.decoder.fuse()
 
 
+def compare_switch(t: Table, rt, model, switch: str, context: int, rounds: int = 2) -> str:
+    """The batch-1 decode and verify(8) steps, bf16 then fp8, with a kernel switch (a module boolean
+    of worker.model, e.g. `stream_gemm.EARLY_WEIGHTS`) on and off in turn, `rounds` times each, the
+    graphs captured again at every change -> a Markdown table of medians and on / off ratios."""
+    import importlib
+
+    module, _, name = switch.rpartition(".")
+    mod = importlib.import_module(f"worker.model.{module}")
+    if not isinstance(getattr(mod, name, None), bool):
+        raise SystemExit(f"--compare {switch}: worker.model.{module}.{name} is not a boolean switch")
+    initial = getattr(mod, name)
+    res: dict[tuple[str, bool, int], list[float]] = {}
+    try:
+        for precision in ("bf16", "fp8"):
+            if precision == "fp8":
+                to_fp8(rt, model)
+            for _ in range(rounds):
+                for value in (True, False):
+                    setattr(mod, name, value)
+                    rt.graphs.clear()
+                    steps = engine_steps(t, rt, float("nan"), [1], context, f"{precision}, {name}={value}")
+                    for T in (1, 8):
+                        res.setdefault((precision, value, T), []).append(steps[(1, T)])
+    finally:
+        setattr(mod, name, initial)
+        rt.graphs.clear()
+    rows = [f"| step, batch 1 ({switch}) | on ms | off ms | on / off |", "|---|---|---|---|"]
+    for precision in ("bf16", "fp8"):
+        for T, what in ((1, "decode"), (8, "verify(8)")):
+            on, off = (statistics.median(res[(precision, v, T)]) * 1e3 for v in (True, False))
+            rows.append(f"| {precision} {what} | {on:.2f} | {off:.2f} | {on / off:.3f}x |")
+    on8, on16 = (statistics.median(res[(p, True, 1)]) for p in ("fp8", "bf16"))
+    off8, off16 = (statistics.median(res[(p, False, 1)]) for p in ("fp8", "bf16"))
+    rows.append(f"| fp8 / bf16 decode | {on8 / on16:.3f}x | {off8 / off16:.3f}x | |")
+    return "\n".join(rows)
+
+
 def decode_path_targets(steps: dict, lp: dict, hf: dict, expert_s: float, floor_s: float, wb: int, bw: float,
                         batches: list[int]) -> str:
     """The `Targets: GPU decode path` table (issue 14), from figures measured in this run."""
@@ -468,6 +505,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-demo", default=None, metavar="DIR",
                     help="only profile one batch of 16 demo scenes (needs --demo, --head), baseline then dflash2; "
                          "write DIR/demo.txt")
+    ap.add_argument("--compare", default=None, metavar="MODULE.FLAG",
+                    help="only the batch-1 decode and verify steps, bf16 and fp8, with a worker.model switch "
+                         "(e.g. stream_gemm.EARLY_WEIGHTS) on and off, side by side")
     ap.add_argument("--config-only", default=None, metavar="DIR",
                     help="write a config-only directory of --shape (ALPAMAYO_LOAD_FORMAT=dummy serves it) and exit")
     args = ap.parse_args(argv)
@@ -520,6 +560,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.expert_only:
         expert_loop(t, rt, 8, context)
+        return 0
+    if args.compare:
+        md = compare_switch(t, rt, model, args.compare, context)
+        if args.out:
+            Path(args.out).write_text(md + "\n")
+        print("\n" + md)
         return 0
     hf = {} if args.skip_hf else hf_generate(t, model, dev, context, new=16 if gpu else 4)
     steps = engine_steps(t, rt, floor_s, sorted({1, 4, max(batches)}), context, "bf16")

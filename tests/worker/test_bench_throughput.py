@@ -4,6 +4,8 @@ adds the bf16 profile, K=3 and larger batches: the same code)."""
 
 import re
 
+import pytest
+
 from worker.bench import main
 
 
@@ -77,3 +79,20 @@ def test_profile_demo_reports_both_loops_with_their_launch_counts(tmp_path, monk
     assert re.search(r"verify steps [1-9]\d*;", spec.splitlines()[0])
     for part in (base, spec):
         assert "kernel launches" in part and "host ops by self CPU time" in part
+
+
+def test_bench_compares_a_kernel_switch_on_and_off_and_restores_it(tmp_path):
+    """`python -m worker.bench --compare MODULE.FLAG`: the batch-1 steps, both precisions, with the
+    switch on and off side by side; the switch keeps its value afterwards; a name that is not a
+    boolean switch of worker.model is refused."""
+    from worker import bench
+    from worker.model import fused_ops
+
+    before = fused_ops.PDL
+    assert bench.main(["--shape", "tiny", "--compare", "fused_ops.PDL", "--out", str(tmp_path / "c.md")]) == 0
+    table = (tmp_path / "c.md").read_text()
+    assert fused_ops.PDL is before
+    for row in ("| bf16 decode |", "| bf16 verify(8) |", "| fp8 decode |", "| fp8 verify(8) |", "| fp8 / bf16 decode |"):
+        assert row in table
+    with pytest.raises(SystemExit, match="not a boolean switch"):
+        bench.main(["--shape", "tiny", "--compare", "attention.TILED_BLOCK_N"])

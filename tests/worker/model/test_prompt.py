@@ -137,3 +137,55 @@ def test_a_chat_template_that_cannot_render_the_prompt_is_refused_at_load(ckpt, 
     with pytest.raises(CheckpointError, match=message) as e:
         AlpamayoRuntime.load(d, device="cpu", dtype=torch.float32)
     assert "\n" not in str(e.value)
+
+
+def test_a_prompt_is_tokenized_once_per_spec_and_each_scene_gets_its_own_trajectory_tokens(ckpt):
+    """Scenes of one camera rig and task share the rendered prompt's ids (tokenizing held the
+    interpreter lock beside the engine's launches); each still gets its own history tokens."""
+    b = builder(ckpt)
+    calls = []
+    encode = b.tok.encode
+    b.tok = type("Counting", (), {"encode": lambda self, *a, **k: calls.append(1) or encode(*a, **k)})()
+    h1 = torch.arange(45) + b.ids.history_id0
+    h2 = torch.arange(45).flip(0) + b.ids.history_id0
+    one, two = b.encode(spec("trajectory"), h1, None), b.encode(spec("trajectory"), h2, None)
+    assert len(calls) == 1
+    fresh = builder(ckpt)
+    assert one.tolist() == fresh.encode(spec("trajectory"), h1, None).tolist()
+    assert two.tolist() == fresh.encode(spec("trajectory"), h2, None).tolist()
+    assert (one != two).sum() == 44          # the history tokens alone (45 reversed: the middle one stays)
+    b.encode(spec("vqa"), None, None)
+    assert len(calls) == 2
+
+
+def _mrope_per_token(ids: list[int], grid: list[tuple[int, int, int]], image_id: int, merge: int):
+    """Qwen3-VL's positions one token at a time (the form `mrope_positions` replaced)."""
+    pos = torch.zeros(3, len(ids), dtype=torch.long)
+    cur = i = img = 0
+    while i < len(ids):
+        if ids[i] == image_id:
+            h, w = grid[img][1] // merge, grid[img][2] // merge
+            n = h * w
+            pos[0, i:i + n] = cur
+            pos[1, i:i + n] = cur + torch.arange(h).repeat_interleave(w)
+            pos[2, i:i + n] = cur + torch.arange(w).repeat(h)
+            cur, i, img = cur + max(h, w), i + n, img + 1
+        else:
+            pos[:, i] = cur
+            cur, i = cur + 1, i + 1
+    return pos, int(pos.max()) + 1 - len(ids)
+
+
+@pytest.mark.parametrize("layout", ["text around", "adjacent images", "image first and last"])
+def test_mrope_positions_are_qwen3_vls_per_token_positions(layout):
+    from worker.model.inputs import mrope_positions
+
+    image, merge = 9, 2
+    grid = [(1, 4, 6), (1, 6, 4), (1, 2, 2)]               # 2x3, 3x2 and 1x1 merged patches
+    blocks = [[image] * (g[1] * g[2] // merge ** 2) for g in grid]
+    ids = {"text around": [1, 2] + blocks[0] + [3] + blocks[1] + [4, 5, 6] + blocks[2] + [7],
+           "adjacent images": [1] + blocks[0] + blocks[1] + blocks[2] + [2, 3],
+           "image first and last": blocks[0] + [1, 2] + blocks[1] + blocks[2]}[layout]
+    got, delta = mrope_positions(torch.tensor(ids), torch.tensor(grid), image, merge)
+    want, want_delta = _mrope_per_token(ids, grid, image, merge)
+    assert torch.equal(got, want) and delta == want_delta
