@@ -1,6 +1,14 @@
 """Faster forwards of transformers' Qwen3-VL vision tower (`fast_vision_paths`): the same
 function as the library's own forwards (up to summation order), without its per-image Python
-loops. The demo recipe's training steps and the GPU runtime's prefill run inside it."""
+loops. The demo recipe's training steps and the GPU runtime's prefill run inside it.
+
+Given the scene's prompt on the host (the runtime's prefill), it also reads nothing back from the
+device: transformers derives the tower's positions, interpolation taps and sequence bounds from
+the image grid with `.tolist()` and boolean masks, 29 host synchronisations a scene on the H200
+(torch's sync debug mode, 2026-12-02), each a point where the engine thread waits for the GPU
+to drain and then for the interpreter lock. Here the grid stays on the host, what it gives is
+computed there once per grid and kept on the device, and the placeholder checks count the
+host's prompt."""
 
 from __future__ import annotations
 
@@ -15,12 +23,14 @@ from worker.model.fused_ops import available, vision_rope
 
 
 def _equal_length(memo: list, cu_seqlens: torch.Tensor) -> int | None:
-    """The images' common length (None if they differ), read from the device once per tower
-    forward: every block gets the same cu_seqlens tensor, memo keeps the last one's answer."""
-    if memo[0] is not cu_seqlens:
+    """The images' common length (None if they differ), read from the device once per cu_seqlens
+    tensor: every block of a forward gets the same one (and every scene of one grid, from the
+    grid's memo), memo[0] keeps the last one with its answer."""
+    seen = memo[0]
+    if seen is None or seen[0] is not cu_seqlens:
         lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-        memo[:] = [cu_seqlens, lengths[0] if len(set(lengths)) == 1 else None]
-    return memo[1]
+        seen = memo[0] = (cu_seqlens, lengths[0] if len(set(lengths)) == 1 else None)
+    return seen[1]
 
 
 def _vision_attention_batched(self, hidden_states, cu_seqlens, position_embeddings=None, *, memo, **kwargs):
@@ -68,27 +78,99 @@ def _equal_grid_position_ids(per_image: Callable) -> Callable:
     return position_ids
 
 
+PRECOMPUTED = ("cu_seqlens", "max_seqlen", "position_ids", "interp_indices", "interp_weights")
+GRID_MEMO_ENTRIES = 64                 # grid-derived tensors kept on the device (a few per camera rig)
+
+
+def _from_host_grid(name: str, fn: Callable, memo: dict, device: torch.device) -> Callable:
+    """transformers' grid function `name`, `fn` (grid_thw, *args, kwargs=None, **kw), for a grid on the host:
+    computed there (no device read) once per grid and arguments, its tensors kept on `device`. A
+    grid already on the device, or precomputed values in kwargs, go to `fn` as before."""
+
+    def on_host(grid_thw, *args, kwargs=None, **kw):
+        if grid_thw.device.type != "cpu" or (kwargs and any(k in kwargs for k in PRECOMPUTED)):
+            return fn(grid_thw, *args, kwargs=kwargs, **kw)
+        key = (name, tuple(map(tuple, grid_thw.tolist())), tuple(a if isinstance(a, (int, float, str)) else id(a)
+                                                               for a in args), tuple(sorted(kw.items())))
+        if key not in memo:
+            if len(memo) >= GRID_MEMO_ENTRIES:
+                memo.clear()
+            out = fn(grid_thw, *args, **kw)
+            memo[key] = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in out) \
+                if isinstance(out, tuple) else out.to(device)
+        return memo[key]
+
+    return on_host
+
+
+def _placeholder_mask(self, input_ids, inputs_embeds, image_features=None, video_features=None, *,
+                      host_ids: torch.Tensor):
+    """Qwen3VLModel.get_placeholder_mask with the image-token count checked on the host's prompt
+    (the library's check formats and tests a device count)."""
+    masks = type(self).get_placeholder_mask(self, input_ids, inputs_embeds, None, video_features)
+    if image_features is not None:
+        n = int((host_ids == self.config.image_token_id).sum())
+        if n * inputs_embeds.shape[-1] != image_features.numel():
+            raise ValueError(f"Image features and image tokens do not match, tokens: {n}, "
+                             f"features: {image_features.shape[0]}")
+    return masks
+
+
+def _deepstack_add(self, hidden_states, visual_pos_masks, visual_embeds, *, index: torch.Tensor):
+    """Qwen3VLTextModel._deepstack_process for one prompt by the image tokens' positions (from the
+    host's prompt) instead of a boolean mask (which reads its count from the device): the same sums."""
+    if hidden_states.shape[0] != 1 or visual_embeds.shape[0] != index.numel():
+        return type(self)._deepstack_process(self, hidden_states, visual_pos_masks, visual_embeds)
+    hidden_states = hidden_states.clone()
+    rows = hidden_states[0]
+    rows[index] = rows[index] + visual_embeds.to(rows.device, rows.dtype)
+    return hidden_states
+
+
 class fast_vision_paths:
     """Context: faster forwards for the vision tower's attention, patch embedding and rotary
     position ids (instance attributes and one function of transformers' Qwen3-VL module, restored on
     exit; the weights and checkpoint layout are untouched)."""
 
-    def __init__(self, model):
-        self.visual = model.vlm.model.visual
+    GRID_FUNCTIONS = ("get_vision_position_ids", "get_vision_attention_seqlens",
+                      "get_vision_interpolation_indices_and_weights")
+
+    def __init__(self, model, prompt_ids: torch.Tensor | None = None):
+        """prompt_ids (P,) on the host: the one prompt the model is called with (input_ids =
+        prompt_ids[None] on the device, image_grid_thw on the host): the host-grid paths."""
+        self.vlm = model.vlm.model
+        self.visual = self.vlm.visual
+        self.prompt_ids = prompt_ids
 
     def __enter__(self):
         from transformers.models.qwen3_vl import modeling_qwen3_vl  # heavy
 
-        self.patched = [(self.visual.patch_embed, types.MethodType(_patch_embed_linear, self.visual.patch_embed))]
-        attention = functools.partial(_vision_attention_batched, memo=[None, None])
-        self.patched += [(b.attn, types.MethodType(attention, b.attn)) for b in self.visual.blocks]
-        for mod, fn in self.patched:
-            mod.forward = fn
-        self.module, self.position_ids = modeling_qwen3_vl, modeling_qwen3_vl.get_vision_position_ids
-        modeling_qwen3_vl.get_vision_position_ids = _equal_grid_position_ids(self.position_ids)
+        self.module = modeling_qwen3_vl
+        self.functions = {name: getattr(modeling_qwen3_vl, name) for name in self.GRID_FUNCTIONS}
+        memo = self.visual.__dict__.setdefault("_grid_memo", {})
+        device = self.visual.patch_embed.proj.weight.device
+        for name, fn in self.functions.items():
+            if name == "get_vision_position_ids":
+                fn = _equal_grid_position_ids(fn)
+            setattr(modeling_qwen3_vl, name, _from_host_grid(name, fn, memo, device))
+        self.patched = [(self.visual.patch_embed, "forward", types.MethodType(_patch_embed_linear, self.visual.patch_embed))]
+        attention = functools.partial(_vision_attention_batched, memo=self.visual.__dict__.setdefault("_length_memo", [None]))
+        self.patched += [(b.attn, "forward", types.MethodType(attention, b.attn)) for b in self.visual.blocks]
+        if self.prompt_ids is not None:
+            image_id = self.vlm.config.image_token_id
+            index = (self.prompt_ids == image_id).nonzero().flatten()
+            index = index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index.to(device)
+            self.patched += [
+                (self.vlm, "get_placeholder_mask",
+                 types.MethodType(functools.partial(_placeholder_mask, host_ids=self.prompt_ids), self.vlm)),
+                (self.vlm.language_model, "_deepstack_process",
+                 types.MethodType(functools.partial(_deepstack_add, index=index), self.vlm.language_model))]
+        for mod, name, fn in self.patched:
+            setattr(mod, name, fn)
         return self
 
     def __exit__(self, *exc):
-        for mod, _ in self.patched:
-            mod.__dict__.pop("forward", None)
-        self.module.get_vision_position_ids = self.position_ids
+        for mod, name, _ in self.patched:
+            mod.__dict__.pop(name, None)
+        for name, fn in self.functions.items():
+            setattr(self.module, name, fn)

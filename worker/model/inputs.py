@@ -12,7 +12,7 @@ import bisect
 import functools
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +45,7 @@ class ImageProcessing:
     max_pixels: int = 196608
     image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    _on_device: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_dir(cls, path: Path, min_pixels: int, max_pixels: int) -> "ImageProcessing":
@@ -104,6 +105,15 @@ class ImageProcessing:
         x = self._resize(torch.from_numpy(np.array(frame))[None])    # a copy: decoded frames are read-only
         return x[0].permute(1, 2, 0).contiguous().numpy()
 
+    def _mean_std(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1, 3, 1, 1) fp32 image mean and std on `device`, made once per device (a tensor from a
+        list on the GPU is a copy that waits for the GPU: once per scene before)."""
+        key = str(device)
+        if key not in self._on_device:
+            self._on_device[key] = tuple(torch.tensor(v, device=device).view(1, 3, 1, 1)
+                                         for v in (self.image_mean, self.image_std))
+        return self._on_device[key]
+
     def grid(self, frames) -> torch.Tensor:
         """(N, 3) long patch grid (1, gh, gw) per image of frames (N, H, W, 3): uint8 frames are
         resized to `target_size`, float frames (from `shrink`) are already at it. Raises
@@ -126,8 +136,7 @@ class ImageProcessing:
         else:
             x = frames.permute(0, 3, 1, 2).float()
         th, tw = x.shape[2], x.shape[3]
-        mean = torch.tensor(self.image_mean, device=x.device).view(1, 3, 1, 1)
-        std = torch.tensor(self.image_std, device=x.device).view(1, 3, 1, 1)
+        mean, std = self._mean_std(x.device)
         x = (x - mean) / std
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
         gh, gw = th // p, tw // p

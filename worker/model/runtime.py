@@ -299,6 +299,11 @@ class AlpamayoRuntime:
             p.image_prep_ms += host_ms
         return p.pixel_values
 
+    def _to_device(self, x: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device without waiting for the GPU (CUDA: through pinned memory,
+        non-blocking; a plain copy of pageable memory synchronises the stream)."""
+        return x.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else x.to(self.device)
+
     @torch.inference_mode()
     def _prefill(self, p: _Prepared, capture: tuple[int, ...]):
         """-> (last-position logits (V,) fp32, per-layer K/V list, {layer: hidden (1, P, H)})."""
@@ -309,13 +314,13 @@ class AlpamayoRuntime:
         fused = fused_available(p.pixel_values)          # GPU: fused layers, batched vision attention
         try:
             with contextlib.ExitStack() as paths:
-                if fused:
-                    paths.enter_context(fast_vision_paths(self.model))
+                if fused:                   # the grid stays on the host (fast_vision: no device reads)
+                    paths.enter_context(fast_vision_paths(self.model, prompt_ids=p.input_ids))
                     fused_kv = paths.enter_context(self.decoder.stack.prefilling())
                 out = self.model.vlm.model(
-                    input_ids=p.input_ids[None].to(self.device), pixel_values=p.pixel_values,
-                    image_grid_thw=p.grid.to(self.device), position_ids=p.positions[:, None].to(self.device),
-                    use_cache=not fused)
+                    input_ids=self._to_device(p.input_ids[None]), pixel_values=p.pixel_values,
+                    image_grid_thw=p.grid if fused else p.grid.to(self.device),
+                    position_ids=self._to_device(p.positions[:, None]), use_cache=not fused)
         finally:
             for hk in hooks:
                 hk.remove()

@@ -331,6 +331,7 @@ def test_fast_vision_paths_give_the_vision_tower_the_same_output(ckpt, runtime):
     frames = runtime_frames(generate_scene(7, DEFAULT_IMAGE_SIZE))[0]
     pixels, grid = runtime.image_proc(torch.from_numpy(np.asarray(frames)))
     visual = runtime.model.vlm.model.visual
+    visual.__dict__.pop("_grid_memo", None)              # grids seen by earlier prefills
     calls = []
     original = modeling_qwen3_vl.get_vision_position_ids
 
@@ -349,3 +350,66 @@ def test_fast_vision_paths_give_the_vision_tower_the_same_output(ckpt, runtime):
         modeling_qwen3_vl.get_vision_position_ids = original
     assert calls == [len(grid), 1]                       # the fast path computed one image's ids
     assert len(grid) > 1 and torch.allclose(fast, slow, atol=1e-5, rtol=1e-5)
+
+
+def test_the_prefill_given_its_prompt_on_the_host_reads_nothing_back_from_the_device(runtime):
+    """The runtime's GPU prefill passes the image grid on the host and the prompt to the fast vision
+    paths: the vision tower's grid-derived tensors are computed on the host once per grid (a second
+    scene of that grid calls none of transformers' grid functions, which read a device grid with
+    `.tolist()`), the library's placeholder check (a device count, formatted) is not run (the host
+    counts), and the deepstack sums go by index, not boolean mask. Same outputs as without them;
+    a prompt whose image tokens do not match the images is still refused."""
+    import contextlib
+
+    import torch
+    from transformers.models.qwen3_vl import modeling_qwen3_vl
+
+    from worker.dflash.train import demo_requests
+    from worker.model.fast_vision import fast_vision_paths
+
+    prepared = runtime.prepare(demo_requests(range(91_000_000, 91_000_002))).ok
+    vlm = runtime.model.vlm.model
+    checked = []
+    library_mask = type(vlm).get_placeholder_mask
+
+    def recording(self, input_ids, inputs_embeds, image_features=None, video_features=None):
+        checked.append(image_features is not None)
+        return library_mask(self, input_ids, inputs_embeds, image_features, video_features)
+
+    def forward(p, host: bool):
+        pixels = runtime.image_proc(torch.from_numpy(np.asarray(p.req.frames)))[0]
+        with fast_vision_paths(runtime.model, prompt_ids=p.input_ids) if host else contextlib.nullcontext():
+            return vlm(input_ids=p.input_ids[None], pixel_values=pixels, image_grid_thw=p.grid,
+                       position_ids=p.positions[:, None]).last_hidden_state
+
+    vlm.visual.__dict__.pop("_grid_memo", None)
+    type(vlm).get_placeholder_mask = recording
+    try:
+        with torch.no_grad():
+            want = [forward(p, host=False) for p in prepared]
+            assert checked == [True, True]
+            first = forward(prepared[0], host=True)
+            grid_functions = {n: getattr(modeling_qwen3_vl, n) for n in fast_vision_paths.GRID_FUNCTIONS}
+
+            def refuse(*a, **k):
+                raise AssertionError("a grid function ran for a grid already seen")
+            for n in grid_functions:
+                setattr(modeling_qwen3_vl, n, refuse)
+            try:
+                second = forward(prepared[1], host=True)
+            finally:
+                for n, fn in grid_functions.items():
+                    setattr(modeling_qwen3_vl, n, fn)
+            assert checked == [True, True, False, False]
+            short = prepared[1].input_ids.clone()
+            short[(short == vlm.config.image_token_id).nonzero()[0]] = 0
+            with pytest.raises(ValueError, match="tokens: "):
+                with fast_vision_paths(runtime.model, prompt_ids=short):
+                    vlm(input_ids=short[None], pixel_values=runtime.image_proc(
+                        torch.from_numpy(np.asarray(prepared[1].req.frames)))[0], image_grid_thw=prepared[1].grid,
+                        position_ids=prepared[1].positions[:, None])
+    finally:
+        type(vlm).get_placeholder_mask = library_mask
+    assert prepared[0].grid.tolist() == prepared[1].grid.tolist()
+    for got, ref in zip((first, second), want):
+        assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
