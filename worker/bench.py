@@ -365,43 +365,6 @@ def to_fp8(rt, model) -> None:
     rt.decoder.fuse()
 
 
-def compare_switch(t: Table, rt, model, switch: str, context: int, rounds: int = 2) -> str:
-    """The batch-1 decode and verify(8) steps, bf16 then fp8, with a kernel switch (a module boolean
-    of worker.model, e.g. `stream_gemm.EARLY_WEIGHTS`) on and off in turn, `rounds` times each, the
-    graphs captured again at every change -> a Markdown table of medians and on / off ratios."""
-    import importlib
-
-    module, _, name = switch.rpartition(".")
-    mod = importlib.import_module(f"worker.model.{module}")
-    if not isinstance(getattr(mod, name, None), bool):
-        raise SystemExit(f"--compare {switch}: worker.model.{module}.{name} is not a boolean switch")
-    initial = getattr(mod, name)
-    res: dict[tuple[str, bool, int], list[float]] = {}
-    try:
-        for precision in ("bf16", "fp8"):
-            if precision == "fp8":
-                to_fp8(rt, model)
-            for _ in range(rounds):
-                for value in (True, False):
-                    setattr(mod, name, value)
-                    rt.graphs.clear()
-                    steps = engine_steps(t, rt, float("nan"), [1], context, f"{precision}, {name}={value}")
-                    for T in (1, 8):
-                        res.setdefault((precision, value, T), []).append(steps[(1, T)])
-    finally:
-        setattr(mod, name, initial)
-        rt.graphs.clear()
-    rows = [f"| step, batch 1 ({switch}) | on ms | off ms | on / off |", "|---|---|---|---|"]
-    for precision in ("bf16", "fp8"):
-        for T, what in ((1, "decode"), (8, "verify(8)")):
-            on, off = (statistics.median(res[(precision, v, T)]) * 1e3 for v in (True, False))
-            rows.append(f"| {precision} {what} | {on:.2f} | {off:.2f} | {on / off:.3f}x |")
-    on8, on16 = (statistics.median(res[(p, True, 1)]) for p in ("fp8", "bf16"))
-    off8, off16 = (statistics.median(res[(p, False, 1)]) for p in ("fp8", "bf16"))
-    rows.append(f"| fp8 / bf16 decode | {on8 / on16:.3f}x | {off8 / off16:.3f}x | |")
-    return "\n".join(rows)
-
-
 def decode_path_targets(steps: dict, lp: dict, hf: dict, expert_s: float, floor_s: float, wb: int, bw: float,
                         batches: list[int]) -> str:
     """The `Targets: GPU decode path` table (issue 14), from figures measured in this run."""
@@ -562,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
         expert_loop(t, rt, 8, context)
         return 0
     if args.compare:
+        from worker.bench_throughput import compare_switch
+
         md = compare_switch(t, rt, model, args.compare, context)
         if args.out:
             Path(args.out).write_text(md + "\n")

@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from worker.bench import (Table, _sync, build_model, condition_successors, hf_generate, make_runtime, random_draft,
-                          random_prompt_cache, timeit, to_fp8)
+from worker.bench import (Table, _sync, build_model, condition_successors, engine_steps, hf_generate, make_runtime,
+                          random_draft, random_prompt_cache, timeit, to_fp8)
 from worker.dflash.loop import DFlash2Speculator
 from worker.dflash.metrics import SpecStats, speculative_block
 from worker.dflash.oracle import OracleProposer, error_rate_for_tau, reference_rows
@@ -467,6 +467,43 @@ def profile_demo(checkpoint: str, head: str, out_dir: str | None = None, n: int 
                        f"{calls.get('cudaStreamSynchronize', 0) + calls.get('aten::item', 0)}")
         lines += tables
     return _report(lines, out_dir, "demo.txt")
+
+
+def compare_switch(t: Table, rt, model, switch: str, context: int, rounds: int = 2) -> str:
+    """The batch-1 decode and verify(8) steps, bf16 then fp8, with a kernel switch (a module boolean
+    of worker.model, e.g. `stream_gemm.EARLY_WEIGHTS`) on and off in turn, `rounds` times each, the
+    graphs captured again at every change -> a Markdown table of medians and on / off ratios."""
+    import importlib
+
+    module, _, name = switch.rpartition(".")
+    mod = importlib.import_module(f"worker.model.{module}")
+    if not isinstance(getattr(mod, name, None), bool):
+        raise SystemExit(f"--compare {switch}: worker.model.{module}.{name} is not a boolean switch")
+    initial = getattr(mod, name)
+    res: dict[tuple[str, bool, int], list[float]] = {}
+    try:
+        for precision in ("bf16", "fp8"):
+            if precision == "fp8":
+                to_fp8(rt, model)
+            for _ in range(rounds):
+                for value in (True, False):
+                    setattr(mod, name, value)
+                    rt.graphs.clear()
+                    steps = engine_steps(t, rt, float("nan"), [1], context, f"{precision}, {name}={value}")
+                    for T in (1, 8):
+                        res.setdefault((precision, value, T), []).append(steps[(1, T)])
+    finally:
+        setattr(mod, name, initial)
+        rt.graphs.clear()
+    rows = [f"| step, batch 1 ({switch}) | on ms | off ms | on / off |", "|---|---|---|---|"]
+    for precision in ("bf16", "fp8"):
+        for T, what in ((1, "decode"), (8, "verify(8)")):
+            on, off = (statistics.median(res[(precision, v, T)]) * 1e3 for v in (True, False))
+            rows.append(f"| {precision} {what} | {on:.2f} | {off:.2f} | {on / off:.3f}x |")
+    on8, on16 = (statistics.median(res[(p, True, 1)]) for p in ("fp8", "bf16"))
+    off8, off16 = (statistics.median(res[(p, False, 1)]) for p in ("fp8", "bf16"))
+    rows.append(f"| fp8 / bf16 decode | {on8 / on16:.3f}x | {off8 / off16:.3f}x | |")
+    return "\n".join(rows)
 
 
 def profile_steps(rt, context: int, out_dir: str | None, new: int = 64, label: str = "bf16",
