@@ -96,3 +96,27 @@ def test_bench_compares_a_kernel_switch_on_and_off_and_restores_it(tmp_path):
         assert row in table
     with pytest.raises(SystemExit, match="not a boolean switch"):
         bench.main(["--shape", "tiny", "--compare", "attention.TILED_BLOCK_N"])
+
+
+def test_runtimes_compared_side_by_side_are_timed_in_turn():
+    """The demo's dflash2 / baseline ratio times the two runtimes alternately (a, b, a, b, ...),
+    so that the machine's drift falls on both; each gets its median wall and its results."""
+    from types import SimpleNamespace
+
+    from worker.bench_throughput import timed_runs
+
+    order = []
+
+    class Runtime:
+        def __init__(self, name):
+            self.name = name
+
+        def run(self, reqs):
+            order.append(self.name)
+            return [SimpleNamespace(error=None, speculative=None,
+                                    timings_ms={"image_prep": 1.0, "prefill": 2.0, "decode": 3.0, "diffusion": 4.0})
+                    for _ in reqs]
+
+    (a, ra), (b, rb) = timed_runs([Runtime("a"), Runtime("b")], [object(), object()], 3)
+    assert order == ["a", "b"] * 3
+    assert a.scenes == b.scenes == 2 and len(ra) == len(rb) == 2 and a.prefill_ms == 4.0

@@ -4,11 +4,12 @@ loops. The demo recipe's training steps and the GPU runtime's prefill run inside
 
 Given the scene's prompt on the host (the runtime's prefill), it also reads nothing back from the
 device: transformers derives the tower's positions, interpolation taps and sequence bounds from
-the image grid with `.tolist()` and boolean masks, 29 host synchronisations a scene on the H200
-(torch's sync debug mode, 2026-12-02), each a point where the engine thread waits for the GPU
-to drain and then for the interpreter lock. Here the grid stays on the host, what it gives is
-computed there once per grid and kept on the device, and the placeholder checks count the
-host's prompt."""
+the image grid with `.tolist()`, and checks and places the image tokens by device counts and
+boolean masks (with the runtime's own copies, 24 host synchronisations a scene on the H200,
+torch's sync debug mode, 2026-12-02; each a point where the engine thread waits for the GPU to
+drain and then for the interpreter lock). Here the grid stays on the host, what it gives is
+computed there once per grid and kept on the device, and the image tokens are counted and found
+in the host's prompt."""
 
 from __future__ import annotations
 
