@@ -64,9 +64,11 @@ class DFlash2Speculator:
         self.proposer.begin(rows, capacity, dev, self.dtype, persistent=persistent)
 
     def load_context(self, rows: slice, hidden: dict[int, torch.Tensor], rope_delta: int) -> None:
+        """The prompt's draft context K/V into `rows` (no host read: a tensor made from a host list
+        on the GPU waits for the GPU, here for the scene's whole prefill, every scene)."""
         dev = self.draft.fc.weight.device
         self.proposer.write_context(hidden, torch.zeros(1, dtype=torch.long, device=dev),
-                                    torch.tensor([rope_delta], device=dev), fork=rows)
+                                    torch.full((1,), rope_delta, dtype=torch.long, device=dev), fork=rows)
 
     def merge_stats(self, rows: list[RowStats]) -> SpecStats:
         return SpecStats.merge(self.num_spec_tokens, rows)

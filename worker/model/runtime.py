@@ -438,11 +438,11 @@ class AlpamayoRuntime:
         pad = rows - real
 
         def rep(xs, fill=0, dtype=torch.long):      # per scene -> per row (K each), padded rows last
-            return torch.tensor([x for x in xs for _ in range(k)] + [fill] * pad, dtype=dtype, device=dev)
+            return self._to_device(torch.tensor([x for x in xs for _ in range(k)] + [fill] * pad, dtype=dtype))
 
         params = SamplingParams(
-            key=torch.tensor([sample_key(p.req.seed, j) for p in ok for j in range(k)] + [0] * pad,
-                             dtype=torch.long, device=dev),
+            key=self._to_device(torch.tensor([sample_key(p.req.seed, j) for p in ok for j in range(k)] + [0] * pad,
+                                             dtype=torch.long)),
             temperature=rep([p.req.temperature for p in ok], 0.0, torch.float32),
             top_p=rep([p.req.top_p for p in ok], 1.0, torch.float32),
             top_k=rep([p.req.top_k or 0 for p in ok]),
@@ -456,7 +456,7 @@ class AlpamayoRuntime:
             banned, terminal = self._banned_text, [ids.im_end, ids.endoftext, *self.stop_ids]
         with _Clock(dev) as c_decode:
             batch = start_batch(cache, rep(plens), first_logits, rep([p.rope_delta for p in ok]), params, banned,
-                                torch.tensor(terminal, device=dev), rep(max_new, 1), real_rows=real)
+                                self._to_device(torch.tensor(terminal)), rep(max_new, 1), real_rows=real)
             if speculate:
                 batch, spec_rows = self.speculator.decode(self.decoder, batch, group=(task, k))
             else:

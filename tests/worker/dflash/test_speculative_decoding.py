@@ -329,3 +329,31 @@ def test_an_oracle_proposes_from_the_shared_buffers_its_prepare_fills():
     wrong.prepare(batch)
     assert not (right.propose(batch) == want).any()            # now they say 1
 
+
+
+def test_a_batch_makes_no_device_tensor_from_host_values(runtimes, monkeypatch):
+    """In a warm runtime's batch, the worker's code brings host values to the device only through
+    `AlpamayoRuntime._to_device` (pinned, non-blocking on CUDA): `torch.tensor(list, device=gpu)`
+    copies pageable memory and waits for the GPU, which in `load_context` meant waiting for
+    every scene's whole prefill before the next could be queued (the sync debug mode's finding).
+    (The CPU path's transformers cache and vision utilities are not the GPU path's, hence only
+    worker/ callers.)"""
+    import sys
+
+    _, spec = runtimes
+    made_on_device = []
+    tensor = torch.tensor
+
+    def recording(data, *args, **kwargs):
+        caller = sys._getframe(1).f_code.co_filename
+        if kwargs.get("device") is not None and "/worker/" in caller:
+            made_on_device.append((caller, sys._getframe(1).f_lineno))
+        return tensor(data, *args, **kwargs)
+
+    spec.run([scene(7, k=2, temperature=0.8, seed=7)])             # warm: per-device constants made
+    prepared = spec.prepare([scene(5, k=2, temperature=0.8, seed=5), scene(6, k=2, temperature=0.8, seed=6)])
+    monkeypatch.setattr(torch, "tensor", recording)
+    results = spec.run(prepared)
+    monkeypatch.undo()
+    assert all(r.error is None for r in results) and results[0].speculative.steps > 0
+    assert made_on_device == []
