@@ -63,7 +63,8 @@ class RowAcceptance:
         n_max = max(drafts)
         powers = a[:, None] ** torch.arange(1, n_max + 1, device=a.device)        # (R, n_max)
         cum = 1.0 + powers.cumsum(1)                                             # (R, n_max)
-        per_row = cum[:, [n - 1 for n in drafts]]                                  # (R, len(drafts))
+        per_row = torch.stack([cum[:, n - 1] for n in drafts], 1)     # (R, len(drafts)); a list index would
+                                                                        # be copied to the device, waiting for it
         return (per_row * generating[:, None]).sum(0)
 
     def observe(self, generating: torch.Tensor, accepted: torch.Tensor, n: int) -> None:

@@ -335,8 +335,9 @@ def test_a_batch_makes_no_device_tensor_from_host_values(runtimes, monkeypatch):
     """In a warm runtime's batch, the worker's code brings host values to the device only through
     `AlpamayoRuntime._to_device` (pinned, non-blocking on CUDA): `torch.tensor(list, device=gpu)`
     copies pageable memory and waits for the GPU, which in `load_context` meant waiting for
-    every scene's whole prefill before the next could be queued (the sync debug mode's finding).
-    (The CPU path's transformers cache and vision utilities are not the GPU path's, hence only
+    every scene's whole prefill before the next could be queued (the sync debug mode's finding);
+    nor does it index a device tensor with a Python list (copied to the device the same way: the
+    policy's choice did so every step). (The CPU path's transformers cache and vision utilities are not the GPU path's, hence only
     worker/ callers.)"""
     import sys
 
@@ -350,8 +351,17 @@ def test_a_batch_makes_no_device_tensor_from_host_values(runtimes, monkeypatch):
             made_on_device.append((caller, sys._getframe(1).f_lineno))
         return tensor(data, *args, **kwargs)
 
+    getitem = torch.Tensor.__getitem__
+
+    def indexing(self, index):                  # a list index is copied to the device too
+        caller = sys._getframe(1).f_code.co_filename
+        if "/worker/" in caller and any(isinstance(i, list) for i in (index if isinstance(index, tuple) else (index,))):
+            made_on_device.append((caller, sys._getframe(1).f_lineno))
+        return getitem(self, index)
+
     spec.run([scene(7, k=2, temperature=0.8, seed=7)])             # warm: per-device constants made
     prepared = spec.prepare([scene(5, k=2, temperature=0.8, seed=5), scene(6, k=2, temperature=0.8, seed=6)])
+    monkeypatch.setattr(torch.Tensor, "__getitem__", indexing)
     monkeypatch.setattr(torch, "tensor", recording)
     results = spec.run(prepared)
     monkeypatch.undo()
