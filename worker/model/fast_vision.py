@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.model.fused_ops import available, vision_rope
+from worker.model.inputs import to_device
 
 
 def _equal_length(memo: list, cu_seqlens: torch.Tensor) -> int | None:
@@ -159,8 +160,7 @@ class fast_vision_paths:
         self.patched += [(b.attn, "forward", types.MethodType(attention, b.attn)) for b in self.visual.blocks]
         if self.prompt_ids is not None:
             image_id = self.vlm.config.image_token_id
-            index = (self.prompt_ids == image_id).nonzero().flatten()
-            index = index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index.to(device)
+            index = to_device((self.prompt_ids == image_id).nonzero().flatten(), device)
             self.patched += [
                 (self.vlm, "get_placeholder_mask",
                  types.MethodType(functools.partial(_placeholder_mask, host_ids=self.prompt_ids), self.vlm)),

@@ -146,6 +146,12 @@ class ImageProcessing:
         return pixel_values, self.grid(frames)
 
 
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the GPU (CUDA: through pinned memory,
+    non-blocking; a copy of pageable memory synchronises the stream)."""
+    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
+
+
 def mrope_positions(input_ids: torch.Tensor, image_grid: torch.Tensor, image_token_id: int,
                     merge_size: int) -> tuple[torch.Tensor, int]:
     """Qwen3-VL multimodal rotary positions for one prompt.

@@ -34,7 +34,7 @@ from worker.model.fast_vision import fast_vision_paths
 from worker.model.fused_ops import available as fused_available
 from worker.model.generate import Speculator, baseline_decode, start_batch
 from worker.model.graphs import GraphCache, bucket
-from worker.model.inputs import ImageProcessing, PromptBuilder, PromptSpec, mrope_positions
+from worker.model.inputs import ImageProcessing, PromptBuilder, PromptSpec, mrope_positions, to_device
 from worker.model.sampling import SamplingParams, sample_key
 from worker.model.tokenizer import generation_stop_ids, load_chat_template, load_tokenizer
 from worker.model.trajectory_tokens import future_tokenizer_from_config, history_tokenizer_from_config
@@ -299,11 +299,6 @@ class AlpamayoRuntime:
             p.image_prep_ms += host_ms
         return p.pixel_values
 
-    def _to_device(self, x: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the device without waiting for the GPU (CUDA: through pinned memory,
-        non-blocking; a plain copy of pageable memory synchronises the stream)."""
-        return x.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else x.to(self.device)
-
     @torch.inference_mode()
     def _prefill(self, p: _Prepared, capture: tuple[int, ...]):
         """-> (last-position logits (V,) fp32, per-layer K/V list, {layer: hidden (1, P, H)})."""
@@ -318,9 +313,9 @@ class AlpamayoRuntime:
                     paths.enter_context(fast_vision_paths(self.model, prompt_ids=p.input_ids))
                     fused_kv = paths.enter_context(self.decoder.stack.prefilling())
                 out = self.model.vlm.model(
-                    input_ids=self._to_device(p.input_ids[None]), pixel_values=p.pixel_values,
+                    input_ids=to_device(p.input_ids[None], self.device), pixel_values=p.pixel_values,
                     image_grid_thw=p.grid if fused else p.grid.to(self.device),
-                    position_ids=self._to_device(p.positions[:, None]), use_cache=not fused)
+                    position_ids=to_device(p.positions[:, None], self.device), use_cache=not fused)
         finally:
             for hk in hooks:
                 hk.remove()
@@ -438,11 +433,11 @@ class AlpamayoRuntime:
         pad = rows - real
 
         def rep(xs, fill=0, dtype=torch.long):      # per scene -> per row (K each), padded rows last
-            return self._to_device(torch.tensor([x for x in xs for _ in range(k)] + [fill] * pad, dtype=dtype))
+            return to_device(torch.tensor([x for x in xs for _ in range(k)] + [fill] * pad, dtype=dtype), dev)
 
         params = SamplingParams(
-            key=self._to_device(torch.tensor([sample_key(p.req.seed, j) for p in ok for j in range(k)] + [0] * pad,
-                                             dtype=torch.long)),
+            key=to_device(torch.tensor([sample_key(p.req.seed, j) for p in ok for j in range(k)] + [0] * pad,
+                                       dtype=torch.long), dev),
             temperature=rep([p.req.temperature for p in ok], 0.0, torch.float32),
             top_p=rep([p.req.top_p for p in ok], 1.0, torch.float32),
             top_k=rep([p.req.top_k or 0 for p in ok]),
@@ -456,7 +451,7 @@ class AlpamayoRuntime:
             banned, terminal = self._banned_text, [ids.im_end, ids.endoftext, *self.stop_ids]
         with _Clock(dev) as c_decode:
             batch = start_batch(cache, rep(plens), first_logits, rep([p.rope_delta for p in ok]), params, banned,
-                                self._to_device(torch.tensor(terminal)), rep(max_new, 1), real_rows=real)
+                                to_device(torch.tensor(terminal), dev), rep(max_new, 1), real_rows=real)
             if speculate:
                 batch, spec_rows = self.speculator.decode(self.decoder, batch, group=(task, k))
             else:

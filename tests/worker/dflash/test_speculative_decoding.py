@@ -333,7 +333,7 @@ def test_an_oracle_proposes_from_the_shared_buffers_its_prepare_fills():
 
 def test_a_batch_makes_no_device_tensor_from_host_values(runtimes, monkeypatch):
     """In a warm runtime's batch, the worker's code brings host values to the device only through
-    `AlpamayoRuntime._to_device` (pinned, non-blocking on CUDA): `torch.tensor(list, device=gpu)`
+    `inputs.to_device` (pinned, non-blocking on CUDA): `torch.tensor(list, device=gpu)`
     copies pageable memory and waits for the GPU, which in `load_context` meant waiting for
     every scene's whole prefill before the next could be queued (the sync debug mode's finding);
     nor does it index a device tensor with a Python list (copied to the device the same way: the
@@ -351,19 +351,20 @@ def test_a_batch_makes_no_device_tensor_from_host_values(runtimes, monkeypatch):
             made_on_device.append((caller, sys._getframe(1).f_lineno))
         return tensor(data, *args, **kwargs)
 
-    getitem = torch.Tensor.__getitem__
-
-    def indexing(self, index):                  # a list index is copied to the device too
-        caller = sys._getframe(1).f_code.co_filename
-        if "/worker/" in caller and any(isinstance(i, list) for i in (index if isinstance(index, tuple) else (index,))):
-            made_on_device.append((caller, sys._getframe(1).f_lineno))
-        return getitem(self, index)
+    class ListIndices(torch.overrides.TorchFunctionMode):   # a list index is copied to the device too
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.__getitem__:
+                index = args[1] if isinstance(args[1], tuple) else (args[1],)
+                caller = sys._getframe(1).f_code.co_filename
+                if "/worker/" in caller and any(isinstance(i, list) for i in index):
+                    made_on_device.append((caller, sys._getframe(1).f_lineno))
+            return func(*args, **(kwargs or {}))
 
     spec.run([scene(7, k=2, temperature=0.8, seed=7)])             # warm: per-device constants made
     prepared = spec.prepare([scene(5, k=2, temperature=0.8, seed=5), scene(6, k=2, temperature=0.8, seed=6)])
-    monkeypatch.setattr(torch.Tensor, "__getitem__", indexing)
     monkeypatch.setattr(torch, "tensor", recording)
-    results = spec.run(prepared)
+    with ListIndices():
+        results = spec.run(prepared)
     monkeypatch.undo()
     assert all(r.error is None for r in results) and results[0].speculative.steps > 0
     assert made_on_device == []
