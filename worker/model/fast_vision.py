@@ -154,7 +154,9 @@ class fast_vision_paths:
         for name, fn in self.functions.items():
             if name == "get_vision_position_ids":
                 fn = _equal_grid_position_ids(fn)
-            setattr(modeling_qwen3_vl, name, _from_host_grid(name, fn, memo, device))
+            if self.prompt_ids is not None:             # one scene's prefill: its grid on the host
+                fn = _from_host_grid(name, fn, memo, device)
+            setattr(modeling_qwen3_vl, name, fn)
         self.patched = [(self.visual.patch_embed, "forward", types.MethodType(_patch_embed_linear, self.visual.patch_embed))]
         attention = functools.partial(_vision_attention_batched, memo=self.visual.__dict__.setdefault("_length_memo", [None]))
         self.patched += [(b.attn, "forward", types.MethodType(attention, b.attn)) for b in self.visual.blocks]

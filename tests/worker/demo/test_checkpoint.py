@@ -331,7 +331,6 @@ def test_fast_vision_paths_give_the_vision_tower_the_same_output(ckpt, runtime):
     frames = runtime_frames(generate_scene(7, DEFAULT_IMAGE_SIZE))[0]
     pixels, grid = runtime.image_proc(torch.from_numpy(np.asarray(frames)))
     visual = runtime.model.vlm.model.visual
-    visual.__dict__.pop("_grid_memo", None)              # grids seen by earlier prefills
     calls = []
     original = modeling_qwen3_vl.get_vision_position_ids
 
