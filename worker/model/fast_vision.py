@@ -157,8 +157,10 @@ class fast_vision_paths:
             if self.prompt_ids is not None:             # one scene's prefill: its grid on the host
                 fn = _from_host_grid(name, fn, memo, device)
             setattr(modeling_qwen3_vl, name, fn)
-        self.patched = [(self.visual.patch_embed, "forward", types.MethodType(_patch_embed_linear, self.visual.patch_embed))]
-        attention = functools.partial(_vision_attention_batched, memo=self.visual.__dict__.setdefault("_length_memo", [None]))
+        embed = self.visual.patch_embed
+        self.patched = [(embed, "forward", types.MethodType(_patch_embed_linear, embed))]
+        lengths = self.visual.__dict__.setdefault("_length_memo", [None])
+        attention = functools.partial(_vision_attention_batched, memo=lengths)
         self.patched += [(b.attn, "forward", types.MethodType(attention, b.attn)) for b in self.visual.blocks]
         if self.prompt_ids is not None:
             image_id = self.vlm.config.image_token_id

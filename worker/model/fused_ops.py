@@ -248,9 +248,13 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     order in each (H200, 2026-12-01/02: 5-7 of 23.7 M e4m3 values one step off)."""
     x2 = _rows(x)
     m, n = x2.shape
-    q = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=x.device) if quantize else _placeholder(x2, torch.float8_e4m3fn)
-    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device) if quantize else _placeholder(x2, torch.float32)
-    y = _placeholder(x2, x2.dtype) if quantize else torch.empty_like(x2)
+    if quantize:
+        q = torch.empty(m, n, dtype=torch.float8_e4m3fn, device=x.device)
+        scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+        y = _unwritten_output(x2, x2.dtype)
+    else:
+        q, scale = _unwritten_output(x2, torch.float8_e4m3fn), _unwritten_output(x2, torch.float32)
+        y = torch.empty_like(x2)
     res_out = torch.empty_like(x2) if residual is not None else x2
     r2 = _rows(residual) if residual is not None else x2
     _add_rms_norm_kernel[(m,)](
@@ -260,16 +264,16 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     return res_out.view(x.shape), ((q, scale) if quantize else y.view(x.shape))
 
 
-_placeholders: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+_unwritten_outputs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
 
-def _placeholder(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _unwritten_output(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A (1, 1) tensor standing in for a kernel's output that the launch does not write (its
     pointer is passed, never dereferenced)."""
     key = (str(x.device), dtype)
-    if key not in _placeholders:
-        _placeholders[key] = torch.empty(1, 1, dtype=dtype, device=x.device)
-    return _placeholders[key]
+    if key not in _unwritten_outputs:
+        _unwritten_outputs[key] = torch.empty(1, 1, dtype=dtype, device=x.device)
+    return _unwritten_outputs[key]
 
 
 def qk_norm_rope_write(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_norm_weight: torch.Tensor,
