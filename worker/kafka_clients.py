@@ -17,12 +17,15 @@ from typing import Any, Protocol
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.conn import create_conn
-from aiokafka.errors import KafkaError, SaslAuthenticationFailed
+from aiokafka.errors import KafkaConnectionError, KafkaError, SaslAuthenticationFailed
 from aiokafka.helpers import create_ssl_context
 
 from worker.config import DEFAULT_SASL_MECHANISM, ConfigError, Settings
 
 log = logging.getLogger("alpamayo.worker")
+
+OPEN_RETRY_S = 30.0
+"""exactly_once: how long a partition's producer is tried again while no broker answers (a restart)."""
 
 __all__ = ["KafkaSecurity", "security_kwargs", "instance_id", "transactional_id", "producer_kwargs",
            "consumer_kwargs", "kafka_preflight", "PartitionProducers"]
@@ -93,20 +96,27 @@ class PartitionProducers:
     def partitions(self) -> list[tuple[str, int]]:
         return list(self._producers)
 
-    async def open(self, tps) -> None:
-        """Start the producers of ``tps`` (concurrently); raises if one fails to start."""
-        new = [tp for tp in tps if tp not in self._producers]
-        producers = {tp: self.factory(**producer_kwargs(self.settings, tp)) for tp in new}
-        results = await asyncio.gather(*(p.start() for p in producers.values()), return_exceptions=True)
-        failed = None
-        for (tp, p), res in zip(producers.items(), results, strict=True):
-            if isinstance(res, BaseException):
-                failed = failed or res
-                await _stop_quietly(p)
-            else:
-                self._producers[tp] = p
-        if failed is not None:
-            raise failed
+    async def open(self, tps, retry_s: float = OPEN_RETRY_S) -> None:
+        """Start the producers of ``tps`` (concurrently); a broker that cannot be reached (a
+        restart) is tried again every second for ``retry_s``; raises if one still fails to start."""
+        deadline = asyncio.get_running_loop().time() + retry_s
+        while True:
+            new = [tp for tp in tps if tp not in self._producers]
+            producers = {tp: self.factory(**producer_kwargs(self.settings, tp)) for tp in new}
+            results = await asyncio.gather(*(p.start() for p in producers.values()), return_exceptions=True)
+            failed = None
+            for (tp, p), res in zip(producers.items(), results, strict=True):
+                if isinstance(res, BaseException):
+                    failed = failed or res
+                    await _stop_quietly(p)
+                else:
+                    self._producers[tp] = p
+            if failed is None:
+                return
+            if not isinstance(failed, KafkaConnectionError) or asyncio.get_running_loop().time() >= deadline:
+                raise failed
+            log.warning("starting the producers of %s: %s; trying again", sorted(new), failed)
+            await asyncio.sleep(1.0)
 
     async def close(self, tps) -> None:
         """Stop the producers of ``tps`` (an open transaction of theirs is aborted)."""

@@ -64,6 +64,9 @@ class WorkerMetrics:
                                         ["task"], registry=r)
         self.consumer_lag = Gauge("alpamayo_consumer_lag", "Log end offset minus committed offset",
                                   ["topic", "partition"], registry=r)
+        self.partition_repairs = Counter(
+            "alpamayo_partition_repairs_total", "Partitions re-opened because the broker's offsets disagreed with the "
+            "worker's (lost_commit, stalled_fetch: worker.partition_watch)", ["kind"], registry=r)
         self.gpu_memory = Gauge("alpamayo_gpu_memory_bytes", "GPU memory held by the process (0 on CPU)",
                                 registry=r)
         self.ready = Gauge("alpamayo_ready", "1 once loaded and warm", registry=r)
@@ -120,3 +123,17 @@ class WorkerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def held_gpu_memory(engine) -> int:
+    """GPU memory the engine's runtime holds (``alpamayo_gpu_memory_bytes``); 0 on the CPU."""
+    rt = getattr(engine, "runtime", None)
+    dev = getattr(rt, "device", None)
+    if dev is None or getattr(dev, "type", "cpu") != "cuda":
+        return 0
+    try:
+        import torch     # a CUDA runtime is loaded, so torch is too; a local import keeps it off the Kafka side
+
+        return int(torch.cuda.memory_reserved(dev))
+    except Exception:
+        return 0

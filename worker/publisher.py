@@ -36,7 +36,11 @@ published there (same key, value and headers), in the same transaction (exactly_
 acknowledged send batch before the offset commit (at_least_once) as the result itself.
 
 A send or transaction failure is fatal (:class:`PublishError`): the worker exits non-zero
-without committing, and the records are re-delivered to the restarted worker.
+without committing, and the records are re-delivered to the restarted worker. One exception:
+exactly_once, a partition's transaction that failed on a broker or connection error (not a fenced
+producer, not an authorization failure) is handed to ``on_broken`` (the service re-opens the
+partition in place, as a new owner would: ``worker.partition_watch``); its outputs stay pending
+and are dropped with their epoch, and its records are fetched and answered again.
 """
 
 from __future__ import annotations
@@ -46,10 +50,14 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from aiokafka.errors import (AuthenticationFailedError, ClusterAuthorizationFailedError, GroupAuthorizationFailedError,
+                             KafkaError, ProducerFenced, TopicAuthorizationFailedError,
+                             TransactionalIdAuthorizationFailed)
+
 from schemas import ContractError, DeadLetter, ErrorCode, InferResult, dead_letter_key, encode_result, result_key
 from worker.output_limits import check_result_fits, fit_dead_letter
 
-__all__ = ["TP", "Output", "OffsetTracker", "Publisher", "PublishError", "COMMIT_RETRY_S", "result_output",
+__all__ = ["TP", "Output", "OffsetTracker", "Publisher", "PublishError", "reopenable", "COMMIT_RETRY_S", "result_output",
            "dead_letter_output", "job_output"]
 
 log = logging.getLogger("alpamayo.publisher")
@@ -61,6 +69,17 @@ COMMIT_RETRY_S = 1.0
 
 class PublishError(RuntimeError):
     """Outputs could not be published/committed; the worker must stop without committing more."""
+
+
+NOT_REOPENED = (ProducerFenced, AuthenticationFailedError, ClusterAuthorizationFailedError, GroupAuthorizationFailedError,
+                TopicAuthorizationFailedError, TransactionalIdAuthorizationFailed)
+"""Transaction failures a new producer of the partition would meet again, or must not cause: another
+owner fenced this one (re-opening would fence it back), or the credentials are refused."""
+
+
+def reopenable(exc: BaseException) -> bool:
+    """A failed transaction whose partition may be re-opened in place (a broker or connection error)."""
+    return isinstance(exc, KafkaError) and not isinstance(exc, NOT_REOPENED)
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,17 +296,20 @@ class Publisher:
     ``producer``: at_least_once, a started idempotent aiokafka producer; exactly_once, the
     partitions' transactional producers (``for_partition(tp)``, a
     ``worker.kafka_clients.PartitionProducers``). ``consumer``: the started consumer.
-    ``metrics``: a WorkerMetrics (or None).
+    ``metrics``: a WorkerMetrics (or None). ``on_broken(tp, exc) -> bool``: exactly_once, a partition
+    whose transaction failed with a :func:`reopenable` error; True when it will be re-opened (else,
+    or without it: PublishError).
     """
 
     def __init__(self, producer, consumer, tracker: OffsetTracker, group_id: str, exactly_once: bool,
-                 metrics=None, tp_factory=None):
+                 metrics=None, tp_factory=None, on_broken=None):
         self.producer = producer
         self.consumer = consumer
         self.tracker = tracker
         self.group_id = group_id
         self.exactly_once = exactly_once
         self.metrics = metrics
+        self.on_broken = on_broken
         self._queue: list[Output] = []
         self._held: list[Output] = []       # exactly_once: ready, but behind an unfinished earlier offset
         self._lock = asyncio.Lock()
@@ -429,11 +451,11 @@ class Publisher:
         tps = sorted(set(by_tp) | set(offsets))
         results = await asyncio.gather(*(self._partition_transaction(tp, by_tp.get(tp, []), offsets.get(tp))
                                          for tp in tps), return_exceptions=True)
-        failures = [r for r in results if isinstance(r, BaseException)]
-        if failures:
-            exc = failures[0]
-            raise PublishError(f"transaction of {len(batch)} outputs failed: {type(exc).__name__}: {exc}") from exc
-        return {tp: offsets[tp] for tp, ok in zip(tps, results, strict=True) if ok and tp in offsets}
+        for tp, exc in zip(tps, results, strict=True):
+            if isinstance(exc, BaseException) and not (self.on_broken is not None and reopenable(exc)
+                                                       and self.on_broken(tp, exc)):
+                raise PublishError(f"transaction of {len(batch)} outputs failed: {type(exc).__name__}: {exc}") from exc
+        return {tp: offsets[tp] for tp, ok in zip(tps, results, strict=True) if ok is True and tp in offsets}
 
     async def _partition_transaction(self, tp: TP, outputs: list[Output], offset: int | None) -> bool:
         """The outputs of ``tp`` and its offset in one transaction of the partition's producer;
@@ -443,11 +465,13 @@ class Publisher:
             self.dropped_stale += len(outputs)
             return False
         async with producer.transaction():
-            for o in outputs:
-                for t in o.topics:
-                    await producer.send(t, o.value, key=o.key, headers=o.headers)
+            deliveries = [await producer.send(t, o.value, key=o.key, headers=o.headers)
+                          for o in outputs for t in o.topics]
             if offset is not None:
                 await producer.send_offsets_to_transaction({self._tp(*tp): offset}, self.group_id)
+            # aiokafka ends a transaction even when one of its batches failed (it waits for the
+            # batches, not for their success): a failed one must abort it here, offsets included
+            await asyncio.gather(*deliveries)
         for o in outputs:
             self.tracker.done(o.tp, o.offset, o.epoch)
         if offset is not None:

@@ -15,7 +15,8 @@ Lifecycle
 4. Ready (200). Only now is anything fetched.
 5. Tasks: fetch (getmany, bounded in-flight with pause/resume) -> intake thread (decode, claim
    check, images) -> batcher -> engine thread (one batch at a time; heartbeats never wait for it)
-   -> publisher (results + dead letters, then offsets) ; monitor (consumer lag, GPU memory).
+   -> publisher (results + dead letters, then offsets) ; monitor (consumer lag and an audit of the
+   worker's offsets against the broker's: ``worker.partition_watch``; GPU memory).
 6. SIGTERM/SIGINT: not ready, stop fetching, flush the batcher, wait until every fetched record
    is published and committed (at most ``ALPAMAYO_DRAIN_TIMEOUT_S``), close, exit 0. Work not
    finished by then is not committed and is re-delivered.
@@ -37,7 +38,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 
@@ -50,8 +51,9 @@ from worker.http import HealthState, SidePort
 from worker.intake import Intake, Job
 from worker.kafka_clients import (PartitionProducers, consumer_kwargs, instance_id, kafka_preflight, producer_kwargs,
                                   security_kwargs)
-from worker.metrics import WorkerMetrics
+from worker.metrics import WorkerMetrics, held_gpu_memory
 from worker.output_limits import OutputLimits, producer_max_request_size, read_output_limits
+from worker.partition_watch import PartitionWatch
 from worker.publisher import OffsetTracker, Output, Publisher, PublishError, dead_letter_output, job_output
 from worker.stats import StatsLog
 
@@ -132,6 +134,7 @@ class WorkerService:
         self._stop = asyncio.Event()
         self._fetching = True
         self._paused = False
+        self._partitions_lock = asyncio.Lock()      # rebalance callbacks and partition repairs, one at a time
         self._running: list[Job] = []
         self._ahead: list[Job] = []          # the next batch, picked and being prepared while `_running` runs
         self._revoking: set[tuple[str, int]] = set()
@@ -275,8 +278,10 @@ class WorkerService:
         self.consumer = AIOKafkaConsumer(**consumer_kwargs(s, self._revoke_timeout()))
         self.consumer.subscribe([s.request_topic], listener=_RebalanceListener(self))
         await self.consumer.start()
+        self.watch = PartitionWatch(self.consumer, self.tracker, self.metrics, reopen=self.reopen,
+                                    paused=lambda: self._paused or not self._fetching)
         self.publisher = Publisher(self.producer, self.consumer, self.tracker, s.group_id, self.exactly_once,
-                                   self.metrics)
+                                   self.metrics, on_broken=self.watch.broken)
 
     async def _close_kafka(self) -> None:
         for client in (self.consumer, self.producer):
@@ -293,25 +298,46 @@ class WorkerService:
 
     # ------------------------------------------------------------------ rebalance
     async def _on_assigned(self, assigned) -> None:
+        async with self._partitions_lock:
+            if await self._open(assigned, seek=self.exactly_once):
+                self._paused = False
+                log.info("assigned %s", [f"{tp.topic}:{tp.partition}" for tp in sorted(assigned)])
+
+    async def reopen(self, assigned) -> None:
+        """Assigned partitions taken up again as on an assignment (worker.partition_watch's repair);
+        never in the middle of a rebalance callback, and not those revoked meanwhile."""
+        async with self._partitions_lock:
+            held = self.consumer.assignment()
+            assigned = [tp for tp in assigned if tp in held and self.tracker.epoch((tp.topic, tp.partition))]
+            keys = {(tp.topic, tp.partition) for tp in assigned}
+            self.batcher.remove(lambda j: j.tp in keys)       # fetched again under the new epoch
+            if self.exactly_once:
+                await self.producer.close(sorted(keys))
+            if assigned and await self._open(assigned, seek=True):
+                self.consumer.resume(*assigned)       # the fetch loop pauses them again when full
+
+    async def _open(self, assigned, seek: bool) -> bool:
+        """A new tracker epoch per partition; exactly_once first starts their producers (fencing the
+        previous owners); ``seek``: positioned at the committed offsets read after that."""
         tps = sorted((tp.topic, tp.partition) for tp in assigned)
         starts: dict[tuple[str, int], int | None] = {}
-        if self.exactly_once and tps:
-            try:
+        try:
+            if self.exactly_once and tps:
                 await self.producer.open(tps)           # fences the previous owners first
+            if seek and tps:
                 starts = await self._seek_committed(assigned)
-            except Exception as exc:  # the partitions stay unserved: stop, they are re-delivered
-                self._fatal = self._fatal or exc
-                log.error("assignment of %s failed: %s: %s", tps, type(exc).__name__, exc)
-                self.request_stop()
-                return
+        except Exception as exc:  # the partitions stay unserved: stop, they are re-delivered
+            self._fatal = self._fatal or exc
+            log.error("assignment of %s failed: %s: %s", tps, type(exc).__name__, exc)
+            self.request_stop()
+            return False
         for tp in tps:
             self.tracker.assign(tp, starts.get(tp))
-        self._paused = False
-        log.info("assigned %s", [f"{t}:{p}" for t, p in tps])
+        return True
 
     async def _seek_committed(self, assigned) -> dict[tuple[str, int], int]:
-        """exactly_once: position at the committed offsets read now, after InitProducerId settled
-        the previous owners' transactions (the consumer read them earlier, concurrently). Every
+        """Position at the committed offsets read now (exactly_once: after InitProducerId settled
+        the previous owners' transactions; the consumer read them earlier, concurrently). Every
         offset is read first, then all seeks happen with no await before the tracker takes them."""
         assigned = list(assigned)
         committed = {tp: await self.consumer.committed(tp) for tp in assigned}
@@ -325,6 +351,10 @@ class WorkerService:
         return starts
 
     async def _on_revoked(self, revoked) -> None:
+        async with self._partitions_lock:
+            await self._revoke(revoked)
+
+    async def _revoke(self, revoked) -> None:
         tps = {(tp.topic, tp.partition) for tp in revoked}
         if not tps:
             return
@@ -513,29 +543,11 @@ class WorkerService:
     async def _monitor_loop(self) -> None:
         while True:
             try:
-                await self._update_lag()
+                await self.watch.check()
             except Exception as exc:  # monitoring must never stop the worker
-                log.debug("lag update failed: %s: %s", type(exc).__name__, exc)
-            self.metrics.gpu_memory.set(_gpu_memory(self.engine))
+                log.debug("partition watch failed: %s: %s", type(exc).__name__, exc)
+            self.metrics.gpu_memory.set(held_gpu_memory(self.engine))
             await asyncio.sleep(MONITOR_INTERVAL_S)
-
-    async def _update_lag(self) -> None:
-        assignment = list(self.consumer.assignment())
-        if not assignment:
-            self.metrics.set_lag({})
-            return
-        ends = await self.consumer.end_offsets(assignment)
-        lags = {}
-        for tp in assignment:
-            key = (tp.topic, tp.partition)
-            committed = self.tracker.committed(key)
-            if committed is None:
-                committed = await self.consumer.committed(TopicPartition(*key))
-                self.tracker.note_committed(key, committed)
-            if committed is None:
-                committed = (await self.consumer.beginning_offsets([tp])).get(tp, 0)
-            lags[key] = int(ends.get(tp, 0)) - int(committed)
-        self.metrics.set_lag(lags)
 
     # ------------------------------------------------------------------ drain
     async def _drain(self, tasks) -> int:
@@ -585,16 +597,3 @@ def _default_seed(request_id: str) -> int:
     from worker.engine import default_seed     # torch (see WorkerService.__init__)
 
     return default_seed(request_id)
-
-
-def _gpu_memory(engine) -> int:
-    rt = getattr(engine, "runtime", None)
-    dev = getattr(rt, "device", None)
-    if dev is None or getattr(dev, "type", "cpu") != "cuda":
-        return 0
-    try:
-        import torch     # a CUDA runtime is loaded, so torch is too; a local import keeps it off the Kafka side
-
-        return int(torch.cuda.memory_reserved(dev))
-    except Exception:
-        return 0

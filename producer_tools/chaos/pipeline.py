@@ -188,6 +188,8 @@ class Pipeline:
         """SIGTERM the worker (drain) and the sink; figures from the lake, audit and the topics."""
         f = self.fig
         f.final_exit_code = await self.worker.terminate(120)
+        if f.failures:                   # what the worker did after the run went wrong, to its exit
+            log.error("worker, exit code %s:\n%s", f.final_exit_code, self.worker.tail(60))
         if self.sink is not None:
             f.sink_exit_code = await self.sink.terminate(60)
         await self.monitor.stop()
@@ -198,6 +200,9 @@ class Pipeline:
             raw_dup = sum(c - 1 for c in self.raw.by_id.values() if c > 1)
             f.extra["aborted outputs"] = (f"{aborted} output records of aborted transactions (a reader ignoring "
                                           f"transactions would see {raw_dup} duplicates)")
+            if aborted:
+                f.extra["aborted ids (sample)"] = sorted(i for i, c in self.raw.by_id.items()
+                                                         if c > self.monitor.by_id.get(i, 0))[:5]
             f.extra["_aborted"] = aborted
         f.worker_restarts = self.worker.restarts
         f.unplanned_exits = self.worker.unplanned_exits

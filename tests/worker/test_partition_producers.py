@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaConnectionError, KafkaError
 
 from worker.config import load_settings
 from worker.kafka_clients import PartitionProducers
@@ -65,3 +65,41 @@ async def test_the_next_owner_of_a_partition_fences_the_zombie(kafka_bootstrap, 
     finally:
         await c.stop()
     assert await read_committed_values(kafka_bootstrap, out) == [b"owner"]
+
+
+class _FlakyProducer:
+    """Fails to start (no broker answers) ``fails`` times in all, then starts."""
+
+    fails = 0
+    started: list = []
+
+    def __init__(self, **kw):
+        self.kw = kw
+
+    async def start(self):
+        if _FlakyProducer.fails > 0:
+            _FlakyProducer.fails -= 1
+            raise self.error
+        _FlakyProducer.started.append(self.kw["transactional_id"])
+
+    async def stop(self):
+        pass
+
+
+@pytest.mark.parametrize("error, retried", [(KafkaConnectionError("Unable to bootstrap from [('127.0.0.1', 9)]"), True),
+                                            (KafkaError("TransactionalIdAuthorizationFailed"), False)])
+async def test_open_tries_again_while_no_broker_answers(error, retried):
+    """A restart of the broker while a partition is opened (an assignment, a re-open): its producer
+    is tried again every second; any other error is raised at once."""
+    _FlakyProducer.fails, _FlakyProducer.started, _FlakyProducer.error = 2, [], error
+    producers = PartitionProducers(settings("127.0.0.1:9", "g", "w"), factory=_FlakyProducer)
+    if retried:
+        await producers.open([("req", 0)], retry_s=10.0)
+        assert producers.partitions == [("req", 0)] and _FlakyProducer.started == ["g.req.0"]
+    else:
+        with pytest.raises(KafkaError, match="Authorization"):
+            await producers.open([("req", 0)], retry_s=10.0)
+        assert producers.partitions == [] and _FlakyProducer.fails == 1
+    with pytest.raises(KafkaConnectionError):          # and gives up after retry_s
+        _FlakyProducer.fails, _FlakyProducer.error = 100, KafkaConnectionError("Unable to bootstrap")
+        await producers.open([("req", 1)], retry_s=1.5)

@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import dataclass
 
 import pytest
+from aiokafka.errors import KafkaConnectionError, ProducerFenced
 
 import schemas as S
 from worker.publisher import COMMIT_RETRY_S, OffsetTracker, Output, Publisher, PublishError, result_output
@@ -250,15 +251,26 @@ def fail_step(prod: FakeProducer, step: str) -> None:
                 return False
 
         prod.transaction = CommitFails
+    elif step == "delivery":                   # sent, but the broker refused the batch
+        send = prod.send
+
+        async def refused_batch(*a, **kw):
+            await send(*a, **kw)
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_exception(RuntimeError("ProducerFenced: the batch failed"))
+            return fut
+
+        prod.send = refused_batch
     else:
         setattr(prod, {"send": "send", "send_offsets": "send_offsets_to_transaction"}[step], fenced)
 
 
-@pytest.mark.parametrize("step", ["send", "send_offsets", "commit"])
+@pytest.mark.parametrize("step", ["send", "delivery", "send_offsets", "commit"])
 async def test_exactly_once_failed_transaction_is_fatal_and_completes_nothing(step):
-    """A failed send, send_offsets_to_transaction or commit of a partition's transaction raises
-    PublishError; the other partition's transaction commits; the failed partition's offsets stay
-    pending and uncommitted, nothing of it counts as published."""
+    """A failed send, delivery (aiokafka commits around a failed batch), send_offsets_to_transaction
+    or commit of a partition's transaction raises PublishError; the other partition's transaction
+    commits; the failed partition's offsets stay pending and uncommitted, nothing of it counts as
+    published."""
     t = OffsetTracker()
     e0, e1 = t.assign(TP0), t.assign(TP1)
     t.add(TP0, 0)
@@ -405,3 +417,51 @@ async def test_at_least_once_commits_after_the_review_copy_is_acknowledged():
     assert [s[0] for s in prod.sent] == ["results", "review"] and cons.commits == []
     prod.ack_all()
     assert await flush == {TP0: 1}
+
+
+@pytest.mark.parametrize("error, reopened", [(KafkaConnectionError("Connection at 127.0.0.1:9092 closed"), True),
+                                             (ProducerFenced(), False)])
+async def test_exactly_once_a_broker_error_hands_the_partition_to_on_broken(error, reopened):
+    """A transaction that failed on a broker or connection error is handed to ``on_broken`` (the
+    worker re-opens the partition); its offsets stay pending, the other partition commits. A fenced
+    producer is never handed over (re-opening would fence the new owner back): PublishError."""
+    t = OffsetTracker()
+    e0, e1 = t.assign(TP0), t.assign(TP1)
+    t.add(TP0, 0)
+    t.add(TP1, 7)
+    prods, cons = FakePartitionProducers([TP0, TP1]), FakeConsumer([TP0, TP1])
+
+    async def fails(*a, **kw):
+        raise error
+
+    prods.producers[TP0].send_offsets_to_transaction = fails
+    broken = []
+    pub = Publisher(prods, cons, t, "grp", exactly_once=True, tp_factory=FakeTP,
+                    on_broken=lambda tp, exc: broken.append((tp, exc)) or True)
+    pub.submit([out(TP0, 0, e0, "a"), out(TP1, 7, e1, "c")])
+    if reopened:
+        assert await pub.flush() == {TP1: 8}
+        assert broken == [(TP0, error)]
+    else:
+        with pytest.raises(PublishError, match="ProducerFenced"):
+            await pub.flush()
+        assert broken == []
+    assert t.pending(TP0) == {0} and t.committed(TP0) is None
+    assert [txn["committed"] for txn in prods.producers[TP0].txns] == [False]
+    assert pub.published == 1
+
+
+async def test_exactly_once_on_broken_refusing_is_fatal():
+    t = OffsetTracker()
+    e0 = t.assign(TP0)
+    t.add(TP0, 0)
+    prods, cons = FakePartitionProducers([TP0]), FakeConsumer([TP0])
+
+    async def fails(*a, **kw):
+        raise KafkaConnectionError("Connection closed")
+
+    prods.producers[TP0].send_offsets_to_transaction = fails
+    pub = Publisher(prods, cons, t, "grp", exactly_once=True, tp_factory=FakeTP, on_broken=lambda tp, exc: False)
+    pub.submit([out(TP0, 0, e0, "a")])
+    with pytest.raises(PublishError, match="KafkaConnectionError"):
+        await pub.flush()
