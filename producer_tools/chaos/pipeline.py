@@ -204,6 +204,9 @@ class Pipeline:
                 f.extra["aborted ids (sample)"] = sorted(i for i, c in self.raw.by_id.items()
                                                          if c > self.monitor.by_id.get(i, 0))[:5]
             f.extra["_aborted"] = aborted
+        repairs = partition_repairs(self.worker.log_path(n) for n in range(1, self.worker.starts + 1))
+        if repairs:                      # worker.partition_watch: the worker repaired a partition itself
+            f.extra["partition repairs"] = f"{len(repairs)}: " + "; ".join(repairs[:3])
         f.worker_restarts = self.worker.restarts
         f.unplanned_exits = self.worker.unplanned_exits
         if self.sink is not None:
@@ -274,3 +277,10 @@ def _work_dir(work: str | os.PathLike | None, name: str) -> Path:
         p.mkdir(parents=True, exist_ok=True)
         return p
     return Path(tempfile.mkdtemp(prefix=f"alpamayo-chaos-{name}-"))
+
+
+def partition_repairs(logs) -> list[str]:
+    """The partition repairs (``worker.partition_watch``) the worker logs in ``logs`` report, each
+    as its message (kind, partition, offsets), in order."""
+    return [line.split(" WARNING alpamayo.worker: ", 1)[-1] for path in logs if Path(path).exists()
+            for line in Path(path).read_text(errors="replace").splitlines() if "re-opening the partition" in line]

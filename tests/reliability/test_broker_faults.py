@@ -21,6 +21,7 @@ import pytest
 
 from producer_tools.chaos.broker import Broker
 from producer_tools.chaos.figures import Figures, format_table
+from producer_tools.chaos.pipeline import partition_repairs
 from producer_tools.chaos.scenarios import run_broker_restart, run_leader_kill
 
 pytestmark = pytest.mark.kafka
@@ -39,6 +40,15 @@ def assert_rode_through(fig: Figures, scenes: int) -> None:
     assert fig.extra["audit"].startswith("COMPLETE")
     assert fig.final_exit_code == 0 and fig.sink_exit_code == 0
     assert fig.ok, fig.failures
+
+
+def test_the_figures_name_the_partition_repairs_of_the_worker_logs(tmp_path):
+    """A run that rode through because the worker repaired a partition itself says so."""
+    repair = ("failed transaction on req:0 (KafkaError: Unexpected error during batch delivery): "
+              "re-opening the partition")
+    (tmp_path / "worker-1.log").write_text("2026-12-02 04:10:00,000 INFO alpamayo.worker: assigned ['req:0']\n"
+                                           f"2026-12-02 04:10:05,000 WARNING alpamayo.worker: {repair}\n")
+    assert partition_repairs([tmp_path / "worker-1.log", tmp_path / "worker-2.log"]) == [repair]
 
 
 async def test_single_broker_restart_mid_run(tmp_path):
