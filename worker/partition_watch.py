@@ -69,8 +69,8 @@ class PartitionWatch:
         now = time.monotonic()
         recent = [t for t in self._reopened.get(tp, []) if now - t < REOPEN_WINDOW_S]
         if len(recent) >= REOPEN_LIMIT:
-            log.error("failed transaction on %s:%d (%s: %s), the %d. in %.0fs: not re-opened again", *tp,
-                      type(exc).__name__, exc, len(recent) + 1, REOPEN_WINDOW_S)
+            log.error("failed transaction on %s:%d (%s: %s), %d of them in the last %.0f s: not re-opened again",
+                      *tp, type(exc).__name__, exc, len(recent) + 1, REOPEN_WINDOW_S)
             return False
         self._reopened[tp] = recent + [now]
         log.warning("failed transaction on %s:%d (%s: %s): re-opening the partition", *tp, type(exc).__name__, exc)

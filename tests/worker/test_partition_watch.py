@@ -7,14 +7,16 @@ serving, against a real Apache Kafka (the conftest's local broker), in-process w
   partition and answers it: each request exactly once, every offset committed;
 * a stalled fetch: the consumer stops fetching a partition behind the worker's back (paused
   outside its flow control); the watch finds the position below the partition's end with nothing
-  pending, re-opens the partition and the requests are answered.
-
+  pending, re-opens the partition and the requests are answered;
 * a failed transaction: exactly_once, the partition's transaction fails on a closed connection
   (aiokafka's sender gives up on one under a coordinator lookup); the worker re-opens the
   partition instead of exiting, and answers the request exactly once.
 
-Each fails on the code before the watch: the requests are never answered (the third: the
-worker exits).
+And without a broker: a partition whose transactions keep failing is re-opened at most
+REOPEN_LIMIT times in REOPEN_WINDOW_S, then left to stop the worker.
+
+Each of the three fails on the code before the watch: the requests are never answered (the
+third: the worker exits).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from aiokafka.errors import KafkaConnectionError
 import schemas as S
 import worker.partition_watch as watch
 from worker.config import load_settings
+from worker.metrics import WorkerMetrics
 from worker.process import WorkerThread
 
 from tests.worker.kafka_harness import (collect, committed_offsets, free_port, produce, request_item,
@@ -93,3 +96,21 @@ async def test_the_watch_reopens_a_partition_the_worker_stopped_serving(kafka_bo
     assert repairs(w, fault.replace(" ", "_")) >= 1
     assert await committed_offsets(kafka_bootstrap, f"g-{name}", req_t, [0]) == {0: 3}
     assert code == 0
+
+
+async def test_a_partition_whose_transactions_keep_failing_is_not_reopened_again():
+    """At most REOPEN_LIMIT re-opens of one partition in REOPEN_WINDOW_S; the next failure is the
+    worker's end (the publisher raises PublishError). Other partitions keep their own count."""
+    reopened = []
+
+    async def reopen(tps):
+        reopened.append([(tp.topic, tp.partition) for tp in tps])
+
+    metrics = WorkerMetrics(spec_counters=False)
+    w = watch.PartitionWatch(None, None, metrics, paused=lambda: False, reopen=reopen)
+    error = KafkaConnectionError("Connection at 127.0.0.1:9092 closed")
+    assert [w.broken(("req", 0), error) for _ in range(watch.REOPEN_LIMIT + 1)] == [True] * watch.REOPEN_LIMIT + [False]
+    assert w.broken(("req", 1), error) is True
+    await asyncio.sleep(0.01)
+    assert reopened == [[("req", 0)]] * watch.REOPEN_LIMIT + [[("req", 1)]]
+    assert metrics.partition_repairs.labels(kind="failed_transaction")._value.get() == watch.REOPEN_LIMIT + 1
