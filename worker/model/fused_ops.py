@@ -106,7 +106,7 @@ if triton is not None:
         tl.store(Q + row * sq + cols, tl.math.div_rn(yf, scale).to(Q.dtype.element_ty), mask=mask)
 
     @triton.jit(do_not_specialize=["quantize"])
-    def _add_rms_norm_kernel(X, R, W, Y, Q, RO, S, sx, sr, sy, sq, sro, n, eps, quantize,
+    def _add_rms_norm_kernel(X, R, W, Y, Q, RO, S, sx, sr, so, sro, n, eps, quantize,
                              HAS_RES: tl.constexpr, BLOCK: tl.constexpr, E4M3: tl.constexpr, GDC: tl.constexpr):
         gdc_enter(GDC)
         row = tl.program_id(0)
@@ -125,9 +125,9 @@ if triton is not None:
         w = tl.load(W + cols, mask=mask, other=0.0)
         out = (y.to(tl.float32) * w.to(tl.float32)).to(dt)
         if quantize != 0:                    # e4m3 into Q, row scales into S (a runtime flag: see add_rms_norm)
-            quantize_store(Q, S, row, sq, cols, mask, out.to(tl.float32), E4M3)
+            quantize_store(Q, S, row, so, cols, mask, out.to(tl.float32), E4M3)
         else:
-            tl.store(Y + row * sy + cols, out, mask=mask)
+            tl.store(Y + row * so + cols, out, mask=mask)
 
     @triton.jit
     def _qk_norm_rope_write_kernel(QKV, QO, KC, VC, QW, KW, START, DELTA, INV_FREQ, COS, SIN,
@@ -245,7 +245,10 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     quantize: -> (h, (e4m3 (M, N), fp32 scale (M, 1))) of norm(h) * weight's M = x.numel() / N rows,
     the bits `quantize_rows` gives of the plain output: both forms run one compiled kernel (the
     form is a runtime flag), since compiled apart the compiler summed the variance in another
-    order in each (H200, 2026-12-01/02: 5-7 of 23.7 M e4m3 values one step off)."""
+    order in each (H200, 2026-12-01/02: 5-7 of 23.7 M e4m3 values one step off). Both outputs
+    are written (M, N) contiguous, row stride N: one stride argument, so the stride of the output
+    a form does not write (a (1, 1) stand-in, stride 1, which Triton would specialise as a
+    constant) cannot give the two forms two compilations."""
     x2 = _rows(x)
     m, n = x2.shape
     if quantize:
@@ -254,12 +257,11 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
         y = _unwritten_output(x2, x2.dtype)
     else:
         q, scale = _unwritten_output(x2, torch.float8_e4m3fn), _unwritten_output(x2, torch.float32)
-        y = torch.empty_like(x2)
+        y = torch.empty(m, n, dtype=x2.dtype, device=x.device)
     res_out = torch.empty_like(x2) if residual is not None else x2
     r2 = _rows(residual) if residual is not None else x2
     _add_rms_norm_kernel[(m,)](
-        x2, r2, weight, y, q, res_out, scale, x2.stride(0), r2.stride(0), y.stride(0), q.stride(0), res_out.stride(0),
-        n, eps, int(quantize), HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), E4M3=E4M3_MAX,
+        x2, r2, weight, y, q, res_out, scale, x2.stride(0), r2.stride(0), n, res_out.stride(0), n, eps, int(quantize), HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), E4M3=E4M3_MAX,
         num_warps=8 if n >= 4096 else 4, **launch_args(x2))
     return res_out.view(x.shape), ((q, scale) if quantize else y.view(x.shape))
 

@@ -81,7 +81,9 @@ def test_the_quantising_norm_is_the_plain_norms_compiled_kernel(monkeypatch):
     output. Compiled as two kernels (a constexpr form) the compiler summed the variance in a
     different order in each (on the H200 5-7 of 23.7 M e4m3 values one step off, with and
     without FMA contraction); so both forms launch one kernel with the same compile-time
-    arguments and pointer types, the form a runtime flag that Triton does not specialise."""
+    arguments, pointer types and integer values (Triton specialises an int equal to 1, as the
+    stride of a (1, 1) stand-in output, into a constant), the form a runtime flag that Triton does
+    not specialise."""
     import torch
 
     launches = []
@@ -90,9 +92,11 @@ def test_the_quantising_norm_is_the_plain_norms_compiled_kernel(monkeypatch):
         arg_names = fused_ops._add_rms_norm_kernel.arg_names
         do_not_specialize = fused_ops._add_rms_norm_kernel.do_not_specialize
 
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append((tuple(a.dtype if isinstance(a, torch.Tensor) else type(a)
-                                                              for a in args), kw))
+        def __getitem__(self, grid):          # ints by value: Triton specialises 1 and multiples of 16
+            flag = Recording.arg_names.index("quantize")
+            return lambda *args, **kw: launches.append((tuple(
+                a.dtype if isinstance(a, torch.Tensor) else a if isinstance(a, int) and i != flag else type(a)
+                for i, a in enumerate(args)), kw))
 
     monkeypatch.setattr(fused_ops, "_add_rms_norm_kernel", Recording())
     x, w = torch.randn(3, 64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16)
