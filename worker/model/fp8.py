@@ -24,7 +24,7 @@ try:                                   # Triton ships with CUDA builds of torch;
     import triton
     import triton.language as tl
 
-    from worker.model.fused_ops import row_scale
+    from worker.model.fused_ops import divide_rn, row_scale
 except ImportError:                    # pragma: no cover - exercised only on Triton-less installs
     triton = None
 
@@ -59,17 +59,18 @@ if triton is not None:
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
         scale = row_scale(tl.max(amax, 0), E4M3)
         tl.store(S + row, scale)
+        inv = tl.math.div_rn(1.0, scale)
         for k0 in range(0, K, BLOCK):
             cols = k0 + tl.arange(0, BLOCK)
             x = tl.load(X + row * sx + cols, mask=cols < K, other=0.0)
-            tl.store(Q + row * sq + cols, tl.math.div_rn(x.to(tl.float32), scale).to(Q.dtype.element_ty),
+            tl.store(Q + row * sq + cols, divide_rn(x.to(tl.float32), scale, inv).to(Q.dtype.element_ty),
                      mask=cols < K)
 
 
 def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows_reference` in one kernel (two reads of each row, no temporaries; the same
-    bits: the scale by the reciprocal's product, the values by IEEE division, round to nearest
-    even) where the kernels run; the torch ops elsewhere."""
+    bits: the scale by the reciprocal's product, the values divided as IEEE division rounds
+    (`fused_ops.divide_rn`), round to nearest even) where the kernels run; the torch ops elsewhere."""
     if not available(x2):
         return quantize_rows_reference(x2)
     m, k = x2.shape

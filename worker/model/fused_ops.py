@@ -97,13 +97,26 @@ if triton is not None:
         return tl.maximum(amax * (1.0 / E4M3), 1e-12)
 
     @triton.jit
+    def divide_rn(x, scale, inv):
+        """x / scale (fp32, scale > 0; inv = div_rn(1, scale), once per row) with the bits of IEEE
+        division in three instructions (div.rn.f32 is a longer sequence with a slow-path branch):
+        q = x inv, then Markstein's correction q + (x - q scale) inv, each step an FMA. Exact
+        wherever |x| >= 2^-100 (tests/worker/model/test_stream_gemm.py checks every finite bf16
+        value and wide-range fp32 ones); below that the residual underflows and q itself is
+        kept: x's sign and a quotient under 2^-60 (scale >= 1e-12), which e4m3 rounds to zero as
+        it does the IEEE quotient."""
+        q = x * inv
+        return tl.where(tl.abs(x) >= 7.888609052210118e-31, tl.fma(tl.fma(-q, scale, x), inv, q), q)
+
+    @triton.jit
     def quantize_store(Q, S, row, sq, cols, mask, yf, E4M3: tl.constexpr):
         """Row `row` of yf (fp32 values of the activation dtype) as e4m3 into Q with its scale
-        into S: `fp8.quantize_rows`' arithmetic (largest magnitude to E4M3, the values by IEEE
-        division)."""
+        into S: `fp8.quantize_rows`' arithmetic (largest magnitude to E4M3, the values divided by
+        the scale as IEEE division rounds)."""
         scale = row_scale(tl.max(tl.where(mask, tl.abs(yf), 0.0), 0), E4M3)
         tl.store(S + row, scale)
-        tl.store(Q + row * sq + cols, tl.math.div_rn(yf, scale).to(Q.dtype.element_ty), mask=mask)
+        inv = tl.math.div_rn(1.0, scale)
+        tl.store(Q + row * sq + cols, divide_rn(yf, scale, inv).to(Q.dtype.element_ty), mask=mask)
 
     @triton.jit(do_not_specialize=["quantize"])
     def _add_rms_norm_kernel(X, R, W, Y, Q, RO, S, sx, sr, so, sro, n, eps, quantize,
@@ -206,10 +219,11 @@ if triton is not None:
             amax = tl.maximum(amax, tl.abs(silu_mul_block(GU + row * s_row, cols, n)))
         scale = row_scale(tl.max(amax, 0), E4M3)
         tl.store(S + row, scale)
+        inv = tl.math.div_rn(1.0, scale)
         for k0 in range(0, n, BLOCK):
             cols = k0 + tl.arange(0, BLOCK)
             y = silu_mul_block(GU + row * s_row, cols, n)
-            tl.store(Q + row * sq_row + cols, tl.math.div_rn(y, scale).to(Q.dtype.element_ty), mask=cols < n)
+            tl.store(Q + row * sq_row + cols, divide_rn(y, scale, inv).to(Q.dtype.element_ty), mask=cols < n)
 
     @triton.jit
     def _vision_rope_kernel(QKV, Q, K, COS, SIN, s_row, s_cs, H: tl.constexpr, D: tl.constexpr,
