@@ -30,6 +30,7 @@ def _divide_kernel(X, S, Y, n, sx, BLOCK: tl.constexpr):
 
 _CASES = r"""
 import json
+import torch
 import triton
 from tests.worker.model.test_divide_rn import _divide_kernel
 
