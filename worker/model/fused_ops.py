@@ -101,7 +101,7 @@ if triton is not None:
         """x / scale (fp32, scale > 0; inv = div_rn(1, scale), once per row) with the bits of IEEE
         division in three instructions (div.rn.f32 is a longer sequence with a slow-path branch):
         q = x inv, then Markstein's correction q + (x - q scale) inv, each step an FMA. Exact
-        wherever |x| >= 2^-100 (tests/worker/model/test_stream_gemm.py checks every finite bf16
+        wherever |x| >= 2^-100 (tests/worker/model/test_divide_rn.py checks every finite bf16
         value and wide-range fp32 ones); below that the residual underflows and q itself is
         kept: x's sign and a quotient under 2^-60 (scale >= 1e-12), which e4m3 rounds to zero as
         it does the IEEE quotient."""
