@@ -3,7 +3,8 @@ silu * up and `quantize_rows` hand `_scaled_mm` e4m3 rows that must be `quantize
 bits): a product by the scale's reciprocal and Markstein's FMA correction, instead of IEEE division
 (div.rn.f32). Through Triton's interpreter (its FMA rounds once, as the GPU's does), against
 torch's fp32 division: every finite bf16 value over scales of many decades, and wide-range fp32
-rows, each value at most its row's largest magnitude (amax = 448 scale). (On the GPU: `python -m worker.kernel_check`, the "same bits" rows.)"""
+rows, each value at most its row's largest magnitude (amax = 448 scale). (On the GPU:
+`python -m worker.kernel_check`, the "same bits" rows.)"""
 
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ from worker.model.fused_ops import divide_rn  # noqa: E402
 
 
 @triton.jit
-def _divide_kernel(X, S, Y, n, sx, BLOCK: tl.constexpr):
+def _divide_kernel(X, S, Y, n, BLOCK: tl.constexpr):
     """Y[r, c] = divide_rn(X[r, c], S[r])."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
-    x = tl.load(X + row * sx + cols, mask=mask, other=0.0)
+    x = tl.load(X + row * n + cols, mask=mask, other=0.0)
     scale = tl.load(S + row)
     tl.store(Y + row * n + cols, divide_rn(x, scale, tl.math.div_rn(1.0, scale)), mask=mask)
 
@@ -47,7 +48,7 @@ for name, x in [("bf16", xb), ("fp32", xf)]:
     m, n = x.shape
     scales = (x.abs().amax(1) * (1.0 / 448.0)).clamp(min=1e-12)   # row_scale's arithmetic
     y = torch.empty(m, n)
-    _divide_kernel[(m, triton.cdiv(n, 8192))](x, scales, y, n, n, BLOCK=8192)
+    _divide_kernel[(m, triton.cdiv(n, 8192))](x, scales, y, n, BLOCK=8192)
     ieee = x / scales[:, None]
     plain = x * (1.0 / scales)[:, None]
     ok = x.abs() >= 2.0 ** -100
