@@ -346,3 +346,36 @@ def test_frames_go_through_the_temporary_directory_where_dev_shm_has_no_room(int
     job = run(intake, encode(req_dict()))
     assert isinstance(job, Job) and [int(f[0, 0, 0]) for f in job.scene.frames] == list(range(24))
     assert frames._scratch_dir(1) == str(scratch) and list(scratch.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["none", "keeps", "shrinks"])
+def test_decoded_frames_are_read_into_one_array_unless_they_shrink(kind):
+    """The decoder's frames read back from its scratch file: a shrink that keeps the first frame
+    as is (a CUDA runtime's) is asked once and the rest go straight into one array (no 6 MB
+    frame each, stacked at the end, as before: asked 24 times); one that shrinks is asked for
+    every frame, each shrunk as it is read."""
+    import worker.frames as frames
+
+    n, h, w = 24, 6, 10
+    data = np.arange(n * h * w * 3, dtype=np.uint64).astype(np.uint8).reshape(n, h, w, 3)
+    asked = []
+
+    def keeps(frame):
+        asked.append(frame.shape)
+        return frame
+
+    def shrinks(frame):
+        asked.append(frame.shape)
+        return frame[::2, ::2].astype(np.float32)
+
+    shrink = {"none": None, "keeps": keeps, "shrinks": shrinks}[kind]
+    out = frames._read_frames(io.BytesIO(data.tobytes()), n, h, w, shrink)
+    if kind == "shrinks":
+        assert len(asked) == n and out.shape == (n, h // 2, w // 2, 3) and out.dtype == np.float32
+        assert np.array_equal(out, data[:, ::2, ::2].astype(np.float32))
+    else:
+        assert len(asked) == (1 if kind == "keeps" else 0)
+        assert out.shape == (n, h, w, 3) and out.dtype == np.uint8 and np.array_equal(out, data)
+        assert np.array_equal(frames._read_frames(io.BytesIO(data[:1].tobytes()), 1, h, w, shrink), data[:1])
+    with pytest.raises(frames.FrameError, match="cut short"):
+        frames._read_frames(io.BytesIO(data.tobytes()[:-1]), n, h, w, shrink)
