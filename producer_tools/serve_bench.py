@@ -160,13 +160,28 @@ def stage_times(results: dict, direct: dict) -> tuple[str, dict[str, float], dic
     return text, {s: statistics.fmean(v) for s, v in kafka.items()}, {s: statistics.fmean(v) for s, v in alone.items()}
 
 
+def prefill_by_batch(results: dict, direct: dict) -> str:
+    """Each batch's mean prefill per scene, in the order the batches' results came, Kafka path;
+    then the engine alone's: whether the Kafka path's slower prefills (a mean above the alone
+    run's, medians equal, on the H200) are a few batches or spread. A batch's scenes share
+    its decode time, the key here."""
+    def means(pairs) -> str:
+        batches: dict[float, list[float]] = {}
+        for decode_ms, prefill_ms in pairs:
+            batches.setdefault(decode_ms, []).append(prefill_ms)
+        return ", ".join(f"{statistics.fmean(v):.0f}" for v in batches.values())
+    kafka = means((r.metrics.timings.decode_ms, r.metrics.timings.prefill_ms) for r, _ in results.values())
+    alone = means((r.timings_ms.get("decode", 0.0), r.timings_ms.get("prefill", 0.0)) for r in direct.values())
+    return f"Kafka path {kafka}; alone {alone}"
+
+
 def batch_stage_s(ms: dict[str, float], scenes_per_batch: float) -> float:
     """Seconds of timed stages in one batch: each scene's prefill, the batch's decode and diffusion."""
     return (scenes_per_batch * ms["prefill"] + ms["decode"] + ms["diffusion"]) / 1e3
 
 
 def table(kafka_sps: float, engine_sps: float, n: int, answered: int, dead: int, same_text: int, compared: int,
-          stages: str = "", first_answer_s: float | None = None, engine: str = "") -> str:
+          stages: str = "", first_answer_s: float | None = None, engine: str = "", by_batch: str = "") -> str:
     ratio = kafka_sps / engine_sps
     rows = [("Kafka-path scenes/s >= 0.95x the engine alone at the same batch",
              f"{kafka_sps:.3f} / {engine_sps:.3f} scenes/s = {ratio:.3f}x", ratio >= KAFKA_OVER_ENGINE),
@@ -175,6 +190,8 @@ def table(kafka_sps: float, engine_sps: float, n: int, answered: int, dead: int,
             ("reasoning identical to the engine alone's (informational)", f"{same_text} of {compared}", None)]
     if stages:
         rows.append(("engine stage per scene, median (mean), Kafka path / engine alone (informational)", stages, None))
+    if by_batch:
+        rows.append(("prefill per scene, mean of each batch in the order they ran, ms (informational)", by_batch, None))
     if engine:
         rows.append(("engine thread, Kafka path (informational)", engine, None))
     if first_answer_s is not None:
@@ -232,16 +249,17 @@ def main(argv: list[str] | None = None) -> int:
     engine_sps, direct, alone_s = engine_only(env, reqs, args.batch)
     compared = [rid for rid in results if rid in direct and direct[rid].error is None]
     same = sum(list(results[rid][0].metrics.reasoning_texts) == list(direct[rid].texts) for rid in compared)
-    stages, untimed = "", None
+    stages, untimed, by_batch = "", None, ""
     alone_batches = -(-len(reqs) // args.batch)
     if results and direct:
         stages, kafka_ms, alone_ms = stage_times(results, direct)
+        by_batch = prefill_by_batch(results, direct)
         n_kafka = max(engine["batches"], 1.0)
         untimed = (engine["infer"] / n_kafka - batch_stage_s(kafka_ms, len(results) / n_kafka),
                    alone_s / alone_batches - batch_stage_s(alone_ms, len(direct) / alone_batches))
     split = engine_split(engine, wall_s, alone_s, alone_batches, untimed)
     text = table(kafka_sps, engine_sps, len(reqs), len(results), len(dead), same, len(compared), stages, first_s,
-                 split)
+                 split, by_batch)
     print("== 5. Kafka path against the engine alone\n" + text, flush=True)
     (out / "serve_bench.md").write_text(text + "\n")
     return 0 if "| missed |" not in text else 1

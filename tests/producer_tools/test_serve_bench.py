@@ -50,6 +50,8 @@ def test_serve_bench_answers_every_request_and_compares_with_the_engine_alone(
     assert float(infer) > 0 and float(alone) > 0 and 0 < int(busy) <= 100 and float(ahead) >= 0
     assert int(batches) >= 2 and abs(int(batches) * float(per_batch) - 6) < 0.1      # 6 scenes in batches of <= 3
     assert re.search(r"infer outside the timed stages -?[\d.]+ / -?[\d.]+ s per batch", text)
+    assert re.search(r"\| prefill per scene, mean of each batch in the order they ran, ms \(informational\) \| "
+                     r"Kafka path \d+(, \d+)+; alone \d+(, \d+)+ \| - \|", text)       # 2 batches each
 
 
 def test_the_time_outside_the_stages_counts_a_batchs_slow_scenes_as_stage_time():
@@ -67,6 +69,20 @@ def test_the_time_outside_the_stages_counts_a_batchs_slow_scenes_as_stage_time()
     assert kafka_ms["prefill"] == 200.0 and alone_ms["prefill"] == 100.0
     assert serve_bench.batch_stage_s(kafka_ms, 3) == (600.0 + 50.0 + 10.0) / 1e3        # the batch's own sum
     assert text.startswith("prefill 100 / 100 ms (mean 200 / 100), decode 50 / 50 ms")
+
+
+def test_prefill_by_batch_names_each_batchs_mean_in_the_order_the_batches_ran():
+    """A batch's scenes share its decode time: two Kafka batches (decode 50 and 70 ms), the second
+    with one slow prefill, against one batch alone."""
+    from types import SimpleNamespace
+
+    def kafka(prefill, decode):
+        return SimpleNamespace(metrics=SimpleNamespace(timings=SimpleNamespace(
+            prefill_ms=prefill, decode_ms=decode))), 0.0
+
+    results = {i: kafka(p, d) for i, (p, d) in enumerate([(100.0, 50.0), (110.0, 50.0), (100.0, 70.0), (400.0, 70.0)])}
+    direct = {i: SimpleNamespace(timings_ms={"prefill": 100.0 + i, "decode": 55.0}) for i in range(4)}
+    assert serve_bench.prefill_by_batch(results, direct) == "Kafka path 105, 250; alone 102"
 
 
 def test_send_requests_publishes_a_request_larger_than_the_producer_default(kafka_bootstrap):
