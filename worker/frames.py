@@ -245,6 +245,7 @@ def _read_frames(f, n: int, h: int, w: int, shrink) -> np.ndarray:
             _read_into(f, memoryview(frames[1:]).cast("B"))
         return frames
     shrunk = [kept]
+    del first                                  # one full-size frame in memory at a time (kept may be a view)
     for _ in range(n - 1):                     # a fresh frame each: shrink may keep (a view of) it
         frame = np.empty((h, w, 3), np.uint8)
         _read_into(f, memoryview(frame).cast("B"))
