@@ -308,7 +308,7 @@ class WorkerService:
         never in the middle of a rebalance callback, and not those revoked meanwhile."""
         async with self._partitions_lock:
             held = self.consumer.assignment()
-            assigned = [tp for tp in assigned if tp in held and self.tracker.epoch((tp.topic, tp.partition))]
+            assigned = [tp for tp in assigned if tp in held and self.tracker.epoch(tuple(tp)) is not None]
             keys = {(tp.topic, tp.partition) for tp in assigned}
             self.batcher.remove(lambda j: j.tp in keys)       # fetched again under the new epoch
             if self.exactly_once:
