@@ -174,6 +174,17 @@ def test_images_decode_in_the_decoder_processes_and_the_first_bad_one_in_order_i
     dead(intake, encode(req_dict(images=images)), "bad_image", "$.images[4]")
 
 
+def test_decoder_processes_run_at_a_lower_priority_than_the_worker(intake):
+    """Decoding the backlog must not take the cores the running batch needs: every decoder
+    process is DECODER_NICENESS nicer than the worker."""
+    from worker.frames import DECODER, DECODER_NICENESS
+
+    run(intake, encode(req_dict()))                            # the pool is up
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    pids = DECODER.pids()
+    assert pids and {os.getpriority(os.PRIO_PROCESS, pid) for pid in pids} == {min(own + DECODER_NICENESS, 19)}
+
+
 def test_a_decoder_process_that_dies_fails_its_request_only_and_the_pool_restarts(intake):
     import signal
 
