@@ -30,7 +30,7 @@ from worker.demo.layout import Dims, write_support_files
 from worker.model.checkpoint import INDEX_FILE, expected_shapes
 from worker.model.config import AlpamayoConfig
 from worker.model.memory_plan import GIB, GPUS, ModelBytes, longest_rows_for, scenes_that_fit
-from worker.model.modelopt import FP8_STACKS
+from worker.model.modelopt import is_fp8_weight
 
 RELEASE_SHARDS, RELEASE_BYTES = 15, 71.6e9      # the Alpamayo 2 Super release (bf16)
 TARGET_GBPS, TARGET_READY_S, HOST_SLACK = 2.0, 90.0, 2 << 30
@@ -222,8 +222,7 @@ def profile_bytes(shape: str) -> dict[str, ModelBytes]:
     cfg = AlpamayoConfig.from_dict(config)
     shapes = expected_shapes(cfg)
     bf16 = _bytes(shapes)
-    fp8 = sum((_numel(s) + 4 * s[0]) if n.startswith(FP8_STACKS) and n.endswith("_proj.weight") and len(s) == 2
-              else 2 * _numel(s) for n, s in shapes.items())
+    fp8 = sum((_numel(s) + 4 * s[0]) if is_fp8_weight(n, s) else 2 * _numel(s) for n, s in shapes.items())
     hc = head_config_for(cfg, mask_token_id=0)
     with torch.device("meta"):
         draft = sum(2 * p.numel() for p in DraftModel(hc).state_dict().values())

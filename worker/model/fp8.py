@@ -157,21 +157,25 @@ def fp8_product(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, s
     return y.to(like.dtype).reshape(*like.shape[:-1], weight.shape[0])
 
 
-def quantize_linears(module: nn.Module) -> int:
-    """Replace every nn.Linear under `module` with an Fp8Linear. Returns how many."""
+def quantize_linears(module: nn.Module, prefix: str = "", keep=None) -> int:
+    """Replace every nn.Linear under `module` with an Fp8Linear; with `keep` (state-dict name of
+    the weight, its shape -> bool) only those it keeps; prefix: `module`'s own name. -> how many."""
     n = 0
     for name, child in list(module.named_children()):
+        full = prefix + name
         if isinstance(child, nn.Linear):
-            setattr(module, name, Fp8Linear(child))
-            n += 1
+            if keep is None or keep(full + ".weight", child.weight.shape):
+                setattr(module, name, Fp8Linear(child))
+                n += 1
         else:
-            n += quantize_linears(child)
+            n += quantize_linears(child, full + ".", keep)
     return n
 
 
 def quantize_model_fp8(model) -> int:
-    """fp8 for the decoder stacks (VLM text layers and expert layers); the vision tower, the
-    embeddings, the LM head and the action projections stay in the compute dtype."""
-    n = quantize_linears(model.language_model.layers)
-    n += quantize_linears(model.expert.expert.layers)
-    return n
+    """fp8 for the linear layers `modelopt.is_fp8_weight` names (the decoder layers of the text
+    stack and of the expert, the vision tower's blocks and mergers) that are not in fp8 already
+    (a ModelOpt export's are); the rest stays in the compute dtype."""
+    from worker.model.modelopt import is_fp8_weight
+
+    return quantize_linears(model, keep=is_fp8_weight)

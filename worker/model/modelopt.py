@@ -7,8 +7,9 @@ export says so in `hf_quant_config.json` ({"producer": {"name": "modelopt"}, "qu
 {"quant_algo": "FP8"}}) or in config.json's `quantization_config` ({"quant_method": "modelopt",
 "quant_algo": "FP8"}). Such layers load straight into `Fp8Linear` modules (no bf16 copy);
 `input_scale` is kept on the module (activations are quantised per token on the fly).
-Quantised layers are accepted where the fp8 profiles quantise: the decoder layers of the VLM's
-text stack and of the expert.
+Quantised layers are accepted where the fp8 profiles quantise (`is_fp8_weight`): the decoder
+layers of the VLM's text stack and of the expert, the vision tower's blocks and mergers; a
+quantised layer's bias (the vision tower's) stays in the compute dtype.
 """
 
 from __future__ import annotations
@@ -23,7 +24,18 @@ from worker.model.config import AlpamayoConfig, CheckpointError
 
 QUANT_CONFIG_FILE = "hf_quant_config.json"
 FP8_DTYPE = "F8_E4M3"
-FP8_STACKS = ("vlm.model.language_model.layers.", "expert.expert.layers.")   # where fp8 profiles quantise
+FP8_STACKS = ("vlm.model.language_model.layers.", "expert.expert.layers.", "vlm.model.visual.blocks.",
+              "vlm.model.visual.merger.", "vlm.model.visual.deepstack_merger_list.")
+"""Where the fp8 profiles hold linear weights in e4m3: the decoder layers of the text stack and of
+the expert, and the vision tower's blocks and mergers (about 17,600 patch rows a 24-image scene:
+products worth fp8's rate); not the patch embedding, the position table, the embeddings, the LM
+head or the action projections."""
+
+
+def is_fp8_weight(name: str, shape) -> bool:
+    """Whether the fp8 profiles hold the state-dict tensor `name` of `shape` in e4m3: the weight
+    (2-D) of a linear layer under FP8_STACKS."""
+    return name.startswith(FP8_STACKS) and name.endswith(".weight") and len(shape) == 2
 
 
 @dataclass(frozen=True)
@@ -34,6 +46,7 @@ class Fp8Layer:
     out_features: int
     in_features: int
     has_input_scale: bool
+    has_bias: bool = False
 
 
 def declared_quant_algo(path: Path, cfg: AlpamayoConfig) -> str | None:
@@ -85,10 +98,9 @@ def fp8_layers(path: Path, cfg: AlpamayoConfig, tensors: dict, want: dict[str, t
     out: dict[str, Fp8Layer] = {}
     for name in weights:
         module = name.removesuffix(".weight")
-        if not name.endswith(".weight") or not module.startswith(FP8_STACKS) or name not in want \
-                or len(want[name]) != 2:
-            raise CheckpointError(f"{label}: {name} is float8_e4m3fn, but only the linear weights of the decoder "
-                                  f"layers ({', '.join(s + '*' for s in FP8_STACKS)}) are served in fp8")
+        if name not in want or not is_fp8_weight(name, want[name]):
+            raise CheckpointError(f"{label}: {name} is float8_e4m3fn, but only the linear weights under "
+                                  f"{', '.join(s + '*' for s in FP8_STACKS)} are served in fp8")
         n_out, n_in = want[name]
         if tensors[name].shape != (n_out, n_in):
             raise CheckpointError(f"{label}: tensor {name} has shape {list(tensors[name].shape)}, "
@@ -103,7 +115,7 @@ def fp8_layers(path: Path, cfg: AlpamayoConfig, tensors: dict, want: dict[str, t
         act = tensors.get(module + ".input_scale")
         if act is not None and act.shape not in ((), (1,)):
             raise CheckpointError(f"{label}: tensor {module}.input_scale has shape {list(act.shape)}: expected [] or [1]")
-        out[module] = Fp8Layer(module, n_out, n_in, act is not None)
+        out[module] = Fp8Layer(module, n_out, n_in, act is not None, module + ".bias" in want)
     strays = sorted(n for n in tensors if n.endswith((".weight_scale", ".input_scale"))
                     and n.rsplit(".", 1)[0] not in out)
     if strays:
@@ -119,8 +131,8 @@ def quantised_names(layers: dict[str, Fp8Layer]) -> set[str]:
 
 
 def fp8_shell(layer: Fp8Layer, device: torch.device, compute_dtype: torch.dtype):
-    """An Fp8Linear with uninitialised e4m3 weight and per-channel scale on `device`, filled by
-    the shard copy (a per-tensor scale is broadcast over the output channels there)."""
+    """An Fp8Linear with uninitialised e4m3 weight, per-channel scale (and bias) on `device`,
+    filled by the shard copy (a per-tensor scale is broadcast over the output channels there)."""
     from worker.model.fp8 import Fp8Linear
 
     m = Fp8Linear.from_parts(torch.empty(layer.out_features, layer.in_features, dtype=torch.float8_e4m3fn,
@@ -128,4 +140,7 @@ def fp8_shell(layer: Fp8Layer, device: torch.device, compute_dtype: torch.dtype)
                              torch.empty(layer.out_features, dtype=torch.float32, device=device), compute_dtype)
     if layer.has_input_scale:
         m.register_buffer("input_scale", torch.empty((), dtype=torch.float32, device=device))
+    if layer.has_bias:
+        m.bias = torch.nn.Parameter(torch.empty(layer.out_features, dtype=compute_dtype, device=device),
+                                    requires_grad=False)
     return m
