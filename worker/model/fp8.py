@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from worker.model.fused_ops import E4M3_MAX, available
+from worker.model.modelopt import is_fp8_weight
 from worker.model.stream_gemm import stream_linear, stream_linear_reference
 
 try:                                   # Triton ships with CUDA builds of torch; CPU installs may lack it
@@ -176,6 +177,4 @@ def quantize_model_fp8(model) -> int:
     """fp8 for the linear layers `modelopt.is_fp8_weight` names (the decoder layers of the text
     stack and of the expert, the vision tower's blocks and mergers) that are not in fp8 already
     (a ModelOpt export's are); the rest stays in the compute dtype."""
-    from worker.model.modelopt import is_fp8_weight
-
     return quantize_linears(model, keep=is_fp8_weight)

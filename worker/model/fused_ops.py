@@ -275,7 +275,8 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     res_out = torch.empty_like(x2) if residual is not None else x2
     r2 = _rows(residual) if residual is not None else x2
     _add_rms_norm_kernel[(m,)](
-        x2, r2, weight, y, q, res_out, scale, x2.stride(0), r2.stride(0), n, res_out.stride(0), n, eps, int(quantize), HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), E4M3=E4M3_MAX,
+        x2, r2, weight, y, q, res_out, scale, x2.stride(0), r2.stride(0), n, res_out.stride(0), n, eps,
+        int(quantize), HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), E4M3=E4M3_MAX,
         num_warps=8 if n >= 4096 else 4, **launch_args(x2))
     return res_out.view(x.shape), ((q, scale) if quantize else y.view(x.shape))
 
