@@ -56,7 +56,8 @@ def _cases():
             yield (f"stream product, {rows} rows, {w[1:]} weight, {split} splits, {y[1:]} Y", stream_gemm._stream_kernel,
                    dict(X=bf, W=w, SCALE=f32, BIAS=bf, Y=y, PART=f32),
                    dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=split, EVEN_K=True,
-                        HAS_SCALE=w == f8, HAS_BIAS=False, DOT_FP32=False, GDC=True), (c.warps, c.stages))
+                        HAS_SCALE=w == f8, HAS_BIAS=False, DOT_FP32=False, SWAP_AB=c.swap_ab and c.block_m > 1,
+                        GDC=True), (c.warps, c.stages))
     for t, block_m, block_n, direct in [(1, 16, 64, False), (8, 64, 64, False), (64, 64, attention.TILED_BLOCK_N, True)]:
         yield (f"attention split, T={t}", attention._split_kernel,
                dict(Q=bf, K=bf, V=bf, KVLEN=i64, OPART=f32, LPART=f32, OUT=bf),

@@ -38,6 +38,20 @@ for m, n, k, dtype, bias, splits in [(1, 37, 300, "float32", True, None), (1, 37
         splits_used=splits or split_count(m, n, k, launch_config(m), SMS_WITHOUT_CUDA),
         rel_err=float((y.double() - ref).norm() / ref.norm()), same_bits=torch.equal(y, stream_linear(x, w8, scale, b,
                                                                                                   splits=splits))))
+# the dot form with its operands swapped ((W x^T)^T), fp8 and plain weights, split and not
+out["swapped"] = []
+for m, n, k, dtype, bias, splits, fp8_weight in [(3, 45, 129, "bfloat16", True, 1, True), (17, 70, 300, "float32", True, 2, True),
+                                                 (8, 64, 256, "bfloat16", False, 3, False)]:
+    dt = getattr(torch, dtype)
+    w = torch.randn(n, k, generator=gen)
+    w, scale = fp8.quantize_weight(w) if fp8_weight else (w.to(dt), None)
+    x = torch.randn(m, k, generator=gen).to(dt)
+    b = torch.randn(n, generator=gen).to(dt) if bias else None
+    config = LaunchConfig(block_m=16 if m <= 16 else 32, block_n=32, block_k=64, warps=4, stages=2, swap_ab=True)
+    y = stream_linear(x, w, scale, b, config=config, splits=splits)
+    ref = x.double() @ (w.double() * (scale.double()[:, None] if fp8_weight else 1)).t() + (b.double() if bias else 0)
+    out["swapped"].append(dict(case=[m, n, k, dtype], shape=list(y.shape),
+                               rel_err=float((y.double() - ref).norm() / ref.norm())))
 # plain products (scale None: a bf16 / fp32 weight), stored (N, K) and transposed (K, N)
 for m, n, k, dtype, transposed in [(1, 37, 600, "bfloat16", False), (1, 37, 600, "bfloat16", True),
                                    (5, 45, 129, "float32", False), (5, 45, 129, "float32", True)]:
@@ -99,6 +113,14 @@ def test_matches_dequantised_product_at_odd_shapes_and_repeats_bit_for_bit(inter
     # the split rule splits a long K when the output tiles are few; forced splits ran too
     assert any(p["case"][5] is None and p["splits_used"] > 1 for p in interpreted["products"])
     assert any(p["case"][5] == 3 for p in interpreted["products"])
+
+
+def test_the_swapped_dot_form_gives_the_product(interpreted):
+    cases = interpreted["swapped"]
+    assert len(cases) == 3
+    for c in cases:
+        m, n, _, dtype = c["case"]
+        assert c["shape"] == [m, n] and c["rel_err"] <= (1e-6 if dtype == "float32" else 1e-2), c
 
 
 def test_fp8_linear_module_uses_the_kernel_for_few_rows_only(interpreted):
