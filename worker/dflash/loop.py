@@ -33,6 +33,13 @@ from worker.model.generate import STATE, DecodeBatch, run_step, start_batch
 from worker.model.sampling import SamplingParams, sample
 
 
+# Prompt positions whose draft context is queued before it is written in one pass: a small
+# model's scenes (the demo's ~630 positions) share the launches (on the H200 a demo scene's
+# context took 0.8 ms of host time alone, 16 scenes 13 ms of a 200 ms batch); a 32B scene
+# (4,623) is written at once, so the queue holds at most one scene's hidden states there.
+CONTEXT_BATCH_TOKENS = 4096
+
+
 class DFlash2Speculator:
     """The Speculator (worker/model/generate.py) of AlpamayoRuntime: trajectory requests decode
     through `decode`."""
@@ -47,6 +54,8 @@ class DFlash2Speculator:
         self.head_path = head_path
         self.dtype = next(base_model.parameters()).dtype
         self.policy = SpeculationPolicy()
+        self._prompts: list = []               # load_context's queue: (rows, hidden, rope_delta)
+        self._queued = 0                       # ... and its positions
 
     @classmethod
     def factory(cls, head_path: str):
@@ -59,16 +68,25 @@ class DFlash2Speculator:
 
     # ---------------------------------------------------------------- runtime hooks
     def begin(self, rows: int, capacity: int, persistent: bool = False, graphs=None) -> None:
+        self._prompts, self._queued = [], 0          # a failed batch's queued prompts go
         dev = self.draft.fc.weight.device
         self.proposer.graphs = graphs
         self.proposer.begin(rows, capacity, dev, self.dtype, persistent=persistent)
 
     def load_context(self, rows: slice, hidden: dict[int, torch.Tensor], rope_delta: int) -> None:
-        """The prompt's draft context K/V into `rows` (no host read: a tensor made from a host list
-        on the GPU waits for the GPU, here for the scene's whole prefill, every scene)."""
-        dev = self.draft.fc.weight.device
-        self.proposer.write_context(hidden, torch.zeros(1, dtype=torch.long, device=dev),
-                                    torch.full((1,), rope_delta, dtype=torch.long, device=dev), fork=rows)
+        """Queue one scene's prompt as the draft context of `rows`; the queue is written in one
+        pass (`Proposer.write_prompts`) once it holds CONTEXT_BATCH_TOKENS positions, and by
+        `flush_context` (which `decode` calls first)."""
+        self._prompts.append((rows, hidden, rope_delta))
+        self._queued += next(iter(hidden.values())).shape[1]
+        if self._queued >= CONTEXT_BATCH_TOKENS:
+            self.flush_context()
+
+    def flush_context(self) -> None:
+        """Write the queued prompts' draft context."""
+        if self._prompts:
+            self.proposer.write_prompts(self._prompts)
+        self._prompts, self._queued = [], 0
 
     def merge_stats(self, rows: list[RowStats]) -> SpecStats:
         return SpecStats.merge(self.num_spec_tokens, rows)
@@ -80,6 +98,7 @@ class DFlash2Speculator:
         """Decode every row to done; each step verifies 3 or 7 drafts or is a plain decode step,
         as the policy (worker/dflash/policy.py) chooses from the rows' acceptance so far and the
         step costs of `calibrate`. group: the batch's (task, K), whose acceptance the policy keeps."""
+        self.flush_context()
         policy = self.policy
         costs = policy.costs_for(batch.rows)
         acceptance = policy.start(group, batch.rows, batch.lengths.device)

@@ -11,6 +11,7 @@ import torch
 
 from worker.dflash.draft import DraftModel
 from worker.model.fused_ops import available as fused_available
+from worker.model.inputs import to_device
 
 
 class Proposer:
@@ -43,24 +44,43 @@ class Proposer:
         none here; the benchmarks' oracle (worker/dflash/oracle.py) loads its reference."""
 
     @torch.inference_mode()
-    def write_context(self, hidden: dict[int, torch.Tensor], start: torch.Tensor, rope_delta: torch.Tensor,
-                      fork: slice | None = None) -> None:
+    def write_context(self, hidden: dict[int, torch.Tensor], start: torch.Tensor, rope_delta: torch.Tensor) -> None:
         """Project target hidden states {layer: (b, T, H)} and write their context K/V at positions
-        start[b]..start[b]+T-1 of rows 0..b-1; or, for a prefill (b = 1, start 0), into every row
-        of `fork` (the K samples of one scene)."""
+        start[b]..start[b]+T-1 of rows 0..b-1 (a prompt's: `write_prompts`)."""
         feats = self.draft.project(hidden)                                 # (b, T, H)
         b, t = feats.shape[:2]
         pos = start[:, None] + torch.arange(t, device=feats.device)        # (b, T) cache indices
         kv = self.draft.context_kv(feats, pos + rope_delta[:, None])
         d = self.draft.config.head_dim
         for layer, (k, v) in enumerate(kv):
-            if fork is not None:
-                self.k[layer][fork, :, :t] = k.to(self.k[layer].dtype)
-                self.v[layer][fork, :, :t] = v.to(self.v[layer].dtype)
-            else:
-                idx = pos[:, None, :, None].expand(b, k.shape[1], t, d)
-                self.k[layer][:b].scatter_(2, idx, k.to(self.k[layer].dtype))
-                self.v[layer][:b].scatter_(2, idx, v.to(self.v[layer].dtype))
+            idx = pos[:, None, :, None].expand(b, k.shape[1], t, d)
+            self.k[layer][:b].scatter_(2, idx, k.to(self.k[layer].dtype))
+            self.v[layer][:b].scatter_(2, idx, v.to(self.v[layer].dtype))
+
+    def write_prompts(self, prompts: list[tuple[slice, dict[int, torch.Tensor], int]]) -> None:
+        """Prefills' context K/V in one pass: (rows, {layer: (1, P, H)} hidden states, rope_delta)
+        each, written at positions 0..P-1 of every row of `rows` (one scene's K samples). The
+        prompts are packed along positions, so the projections, rotary and writes launch once for
+        all of them (per scene they cost as much host time as a small model's whole prefill)."""
+        lengths = [next(iter(h.values())).shape[1] for _, h, _ in prompts]
+        hidden = {i: torch.cat([h[i] for _, h, _ in prompts], dim=1) for i in prompts[0][1]}
+        src, rows, cols, rope = [], [], [], []
+        offset = 0
+        for (fork, _, delta), t in zip(prompts, lengths):
+            pos = torch.arange(t)
+            k = fork.stop - fork.start
+            src.append((offset + pos).repeat(k))
+            rows.append(torch.arange(fork.start, fork.stop).repeat_interleave(t))
+            cols.append(pos.repeat(k))
+            rope.append(pos + delta)
+            offset += t
+        dev = self.draft.fc.weight.device
+        src, rows, cols = to_device(torch.stack([torch.cat(src), torch.cat(rows), torch.cat(cols)]), dev)
+        feats = self.draft.project(hidden)                                 # (1, sum P, H)
+        kv = self.draft.context_kv(feats, to_device(torch.cat(rope)[None], dev))
+        for layer, (k, v) in enumerate(kv):                                # (1, Hkv, sum P, D) each
+            self.k[layer][rows, :, cols] = k[0].transpose(0, 1)[src].to(self.k[layer].dtype)
+            self.v[layer][rows, :, cols] = v[0].transpose(0, 1)[src].to(self.v[layer].dtype)
 
     def propose(self, batch) -> torch.Tensor:
         """DecodeBatch -> proposals (B, 7) for the positions after each row's next_token (the last

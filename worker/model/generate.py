@@ -149,7 +149,8 @@ class Speculator(Protocol):
         """Size the speculator's own caches for a batch of `rows` x `capacity` positions."""
 
     def load_context(self, rows: slice, hidden: dict[int, torch.Tensor], rope_delta: int) -> None:
-        """One scene's prefill hidden states {layer: (1, P, H)} become the context of `rows`."""
+        """One scene's prefill hidden states {layer: (1, P, H)} become the context of `rows` (by
+        the time `decode` runs: a speculator may write several scenes' together)."""
 
     def decode(self, decoder: TextDecoder, batch: DecodeBatch, group: object = None) -> tuple[DecodeBatch, list[Any]]:
         """Decode every row to done; -> (batch, one per-row stats object per row). group: the

@@ -368,3 +368,33 @@ def test_a_batch_makes_no_device_tensor_from_host_values(runtimes, monkeypatch):
     monkeypatch.undo()
     assert all(r.error is None for r in results) and results[0].speculative.steps > 0
     assert made_on_device == []
+
+
+def test_a_batchs_prompts_write_their_draft_context_in_one_pass(runtimes, monkeypatch):
+    """The scenes of a batch queue their prompts' hidden states and the draft's context K/V is
+    written for all of them at once (a small model's scenes each paid the projections' and
+    writes' launches: 0.8 ms of host time a demo scene on the H200); what lands in each row is
+    the scene's own projection at positions 0..P-1, the K samples of a scene alike."""
+    _, spec = runtimes
+    sp = spec.speculator
+    draft = sp.draft
+    projected = []
+    monkeypatch.setattr(draft, "project", lambda hidden, f=draft.project: projected.append(1) or f(hidden))
+    gen = torch.Generator().manual_seed(0)
+    h = draft.config.hidden_size
+    prompts = [(slice(0, 2), 5, 3), (slice(2, 3), 9, -2), (slice(3, 6), 4, 0)]   # (rows, P, rope_delta)
+    hidden = [{i: torch.randn(1, t, h, generator=gen) for i in sp.target_layer_ids} for _, t, _ in prompts]
+    sp.begin(6, 16)
+    for (rows, _, delta), hs in zip(prompts, hidden):
+        sp.load_context(rows, hs, delta)
+    assert projected == []                              # queued, not yet written
+    sp.flush_context()
+    assert projected == [1]
+    for (rows, t, delta), hs in zip(prompts, hidden):
+        with torch.inference_mode():
+            kv = draft.context_kv(draft.project(hs), torch.arange(t)[None] + delta)
+        for layer, (k, v) in enumerate(kv):
+            for r in range(rows.start, rows.stop):
+                torch.testing.assert_close(sp.proposer.k[layer][r, :, :t], k[0], rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(sp.proposer.v[layer][r, :, :t], v[0], rtol=1e-6, atol=1e-6)
+                assert not sp.proposer.k[layer][r, :, t:].any()
