@@ -57,13 +57,15 @@ class Proposer:
             self.k[layer][:b].scatter_(2, idx, k.to(self.k[layer].dtype))
             self.v[layer][:b].scatter_(2, idx, v.to(self.v[layer].dtype))
 
+    @torch.inference_mode()
     def write_prompts(self, prompts: list[tuple[slice, dict[int, torch.Tensor], int]]) -> None:
         """Prefills' context K/V in one pass: (rows, {layer: (1, P, H)} hidden states, rope_delta)
         each, written at positions 0..P-1 of every row of `rows` (one scene's K samples). The
         prompts are packed along positions, so the projections, rotary and writes launch once for
         all of them (per scene they cost as much host time as a small model's whole prefill)."""
         lengths = [next(iter(h.values())).shape[1] for _, h, _ in prompts]
-        hidden = {i: torch.cat([h[i] for _, h, _ in prompts], dim=1) for i in prompts[0][1]}
+        hidden = prompts[0][1] if len(prompts) == 1 else \
+            {i: torch.cat([h[i] for _, h, _ in prompts], dim=1) for i in prompts[0][1]}    # (1, sum P, H) each
         src, rows, cols, rope = [], [], [], []
         offset = 0
         for (fork, _, delta), t in zip(prompts, lengths):
