@@ -16,8 +16,10 @@ Two forms, chosen per number of rows by `LAUNCH_CONFIGS`:
   dot   a (BLOCK_M, BLOCK_N) tile per program through tensor cores (tl.dot, BLOCK_M >= 16); for
         33-64 rows with its operands swapped, (W x^T)^T: the widened weight tile is the wide left
         operand and the rows the narrow right one (vLLM's CUTLASS fp8 kernels swap A and B for few
-        rows too). H200, 2026-12-02, 64 rows: the 32B layer's four products 282 against 380 us
-        unswapped, the expert's 59 against 68; at 8-32 rows no faster (0.93-1.04x), not used there
+        rows too). H200, 2026-12-02, 64 rows, each shape's best swapped tile: the 32B layer's
+        four products 282 against 380 us unswapped, the expert's 59 against 68 (the table's one
+        tile, 128 wide with 8 warps, was the best for gate/up and down, 64 wide for qkv and o);
+        at 8-32 rows no faster (0.89-1.04x), not used there
 Both split K across programs when the output tiles alone would leave multiprocessors idle
 (`split_count`): each split writes an fp32 partial and a second kernel sums the splits in a
 fixed order (no atomics), so a second launch gives the same bits. Launch shapes depend only on
