@@ -374,16 +374,16 @@ def sweep_weight_gemms(dev, gen) -> None:
                   flush=True)
         del w, wt
 
-
-# alternatives to LAUNCH_CONFIGS' entry per row count: (block_m, block_n, block_k, warps, stages)
+# alternatives to LAUNCH_CONFIGS' entry per row count: (block_m, block_n, block_k, warps, stages[, swap_ab])
 FP8_SWEEP_CONFIGS = {
-    1: [LaunchConfig(1, bn, bk, w, 2)
-        for bn, bk in ((8, 512), (8, 1024), (16, 256), (16, 512), (16, 1024), (32, 128), (32, 256), (32, 512),
-                       (64, 128)) for w in (4, 8)],
+    1: [LaunchConfig(1, bn, bk, w, 2) for bn, bk in ((8, 512), (8, 1024), (16, 256), (16, 512), (16, 1024), (32, 128),
+                                                     (32, 256), (32, 512), (64, 128)) for w in (4, 8)],
     8: [LaunchConfig(16, bn, bk, w, st) for bn, bk, w, st in ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3),
                                                                (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3))],
     32: [LaunchConfig(32, bn, bk, w, st) for bn, bk, w, st in ((32, 128, 4, 4), (64, 64, 4, 4), (64, 256, 4, 3),
                                                                 (128, 128, 4, 3), (128, 128, 8, 3))],
+    64: [LaunchConfig(64, bn, bk, w, st, sw) for bn, bk, w, st, sw in ((64, 128, 4, 3, False), (64, 128, 4, 3, True),
+                                                                       (128, 64, 4, 4, True), (64, 256, 4, 3, True))],
 }
 PREFILL_ROWS = 4623                    # one 24-image scene's prompt (docs/benchmarks.md)
 
@@ -530,7 +530,7 @@ def sweep_fp8_linear(dev, gen, only_rows: set[int] | None = None) -> None:
                 except Exception as e:          # a config over the shared-memory or register limit
                     print(f"| {c} | {m} | {name} | {type(e).__name__} | - | |")
                     continue
-                print(f"| {c.block_m}, {c.block_n}, {c.block_k}, {c.warps}, {c.stages} | {m} | {name} "
+                print(f"| {c.block_m}, {c.block_n}, {c.block_k}, {c.warps}, {c.stages}{', swapped' * c.swap_ab} | {m} | {name} "
                       f"| {times[0]:.1f} | {times[1]:.1f} | {'yes' if c == launch_config(m) else ''} |", flush=True)
 
 
