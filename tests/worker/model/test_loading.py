@@ -12,8 +12,7 @@ from safetensors.torch import load_file, save_file
 from worker.config import ConfigError, load_settings
 from worker.demo.layout import write_random_checkpoint
 from worker.model.checkpoint import CheckpointError, load_model
-from worker.model.fp8 import Fp8Linear
-from worker.model.fp8 import E4M3_MAX
+from worker.model.fp8 import E4M3_MAX, Fp8Linear
 from worker.model.modelopt import is_fp8_weight
 from worker.model.runtime import AlpamayoRuntime, SceneRequest
 
@@ -36,7 +35,8 @@ def scene(i=0):
 
 def modelopt_export(ckpt, out, per_tensor_every: int = 0):
     """A ModelOpt-style FP8 directory from a checkpoint: the linear weights the fp8 profiles
-    quantise (`is_fp8_weight`: decoder layers, the vision tower's blocks and mergers) in float8_e4m3fn with `weight_scale` (per channel, or per tensor for every n-th layer with
+    quantise (`is_fp8_weight`: decoder layers, the vision tower's blocks and mergers) in
+    float8_e4m3fn with `weight_scale` (per channel, or per tensor for every n-th layer with
     per_tensor_every=n) and `input_scale`, the rest as it was, and hf_quant_config.json."""
     model, _ = load_model(ckpt, device="cpu", dtype=torch.float32)
     state = dict(model.state_dict())
