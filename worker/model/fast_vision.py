@@ -20,7 +20,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from worker.model.fused_ops import available, vision_rope
+from worker.model.fp8 import Fp8Linear
+from worker.model.fused_ops import add_layer_norm, available, gelu_tanh_rows, vision_rope
 from worker.model.inputs import to_device
 
 
@@ -39,24 +40,56 @@ def _vision_attention_batched(self, hidden_states, cu_seqlens, position_embeddin
     """Qwen3VLVisionAttention.forward for equal-length images in one SDPA call (transformers'
     non-flash path loops over images, with a host sync per block; the math is the same
     block-diagonal attention)."""
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision  # heavy
-
     ln = _equal_length(memo, cu_seqlens)
-    n = hidden_states.shape[0]
     if ln is None:
         return type(self).forward(self, hidden_states, cu_seqlens, position_embeddings=position_embeddings,
                                   **kwargs)
-    qkv = self.qkv(hidden_states)
+    return self.proj(_attend(self, self.qkv(hidden_states), ln, position_embeddings))
+
+
+def _attend(attn, qkv: torch.Tensor, ln: int, position_embeddings) -> torch.Tensor:
+    """qkv (n, 3 H D), a vision attention's qkv product over images of `ln` patches each -> its
+    attention output (n, H D), the input of its output projection."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision  # heavy
+
+    n = qkv.shape[0]
     cos, sin = position_embeddings
     if available(qkv):                  # the rotary in one pass (GPU; Triton's interpreter in tests)
-        q, k = vision_rope(qkv, self.num_heads, cos, sin)
-        v = qkv.view(n, 3, self.num_heads, -1)[:, 2]
+        q, k = vision_rope(qkv, attn.num_heads, cos, sin)
+        v = qkv.view(n, 3, attn.num_heads, -1)[:, 2]
     else:
-        q, k, v = qkv.reshape(n, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        q, k, v = qkv.reshape(n, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
         q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
-    q, k, v = (x.reshape(-1, ln, self.num_heads, x.shape[-1]).transpose(1, 2) for x in (q, k, v))
-    o = F.scaled_dot_product_attention(q, k, v, scale=self.scaling)
-    return self.proj(o.transpose(1, 2).reshape(n, -1))
+    q, k, v = (x.reshape(-1, ln, attn.num_heads, x.shape[-1]).transpose(1, 2) for x in (q, k, v))
+    o = F.scaled_dot_product_attention(q, k, v, scale=attn.scaling)
+    return o.transpose(1, 2).reshape(n, -1)
+
+
+def _vision_block_fp8(self, hidden_states, cu_seqlens, position_embeddings=None, *, memo, **kwargs):
+    """Qwen3VLVisionBlock.forward where its products multiply in fp8 x fp8 (`fp8.Fp8Linear` over a
+    prompt's rows): the two norms and the GELU hand the products their inputs quantised
+    (`fused_ops.add_layer_norm`, the second one adding the attention's residual too, and
+    `gelu_tanh_rows`) instead of writing them for each product to quantise; only the attention's
+    output is quantised by its product."""
+    ln = _equal_length(memo, cu_seqlens)
+    attn, mlp = self.attn, self.mlp
+    if ln is None or not attn.qkv.takes_fp8(hidden_states):
+        return type(self).forward(self, hidden_states, cu_seqlens, position_embeddings=position_embeddings, **kwargs)
+    x = hidden_states
+    _, xq = add_layer_norm(x, self.norm1.weight, self.norm1.bias, self.norm1.eps, quantize=True)
+    o = attn.proj(_attend(attn, attn.qkv.forward_fp8(*xq, x), ln, position_embeddings))
+    h, hq = add_layer_norm(o, self.norm2.weight, self.norm2.bias, self.norm2.eps, residual=x, quantize=True)
+    a = mlp.linear_fc1.forward_fp8(*hq, h)
+    return h + mlp.linear_fc2.forward_fp8(*gelu_tanh_rows(a), a)
+
+
+def _fp8_block(block) -> bool:
+    """True for a vision block `_vision_block_fp8` runs: fp8 products with biases, torch's
+    tanh-approximate GELU between the MLP's two."""
+    act = getattr(block.mlp.act_fn, "act", None)
+    return (all(isinstance(m, Fp8Linear) for m in (block.attn.qkv, block.attn.proj, block.mlp.linear_fc1,
+                                                    block.mlp.linear_fc2))
+            and isinstance(act, functools.partial) and act.func is F.gelu and act.keywords == {"approximate": "tanh"})
 
 
 def _patch_embed_linear(self, hidden_states):
@@ -162,6 +195,8 @@ class fast_vision_paths:
         lengths = self.visual.__dict__.setdefault("_length_memo", [None])
         attention = functools.partial(_vision_attention_batched, memo=lengths)
         self.patched += [(b.attn, "forward", types.MethodType(attention, b.attn)) for b in self.visual.blocks]
+        block_fp8 = functools.partial(_vision_block_fp8, memo=lengths)
+        self.patched += [(b, "forward", types.MethodType(block_fp8, b)) for b in self.visual.blocks if _fp8_block(b)]
         if self.prompt_ids is not None:
             image_id = self.vlm.config.image_token_id
             index = to_device((self.prompt_ids == image_id).nonzero().flatten(), device)

@@ -7,8 +7,10 @@ live in `decoder.py` and run on the CPU).
                       each token's position, q to a (B, T, Hq, D) buffer, k and v straight into
                       the KV cache at their positions (replaces ~14 small kernels and two scatters)
   silu_mul            silu(gate) * up over the fused gate/up projection's output
+  add_layer_norm      add_rms_norm's kernel as torch's LayerNorm (bias), for the vision tower
+  gelu_tanh_rows      the vision tower's tanh GELU, only as its fp8 product's quantised input
 
-add_rms_norm and silu_mul can also hand their output over quantised for an fp8 x fp8 product
+add_rms_norm, add_layer_norm and silu_mul can also hand their output over quantised for an fp8 x fp8 product
 (`quantize=True`: e4m3 values and one fp32 scale per row, the bits `fp8.quantize_rows` gives for
 the output they would have written), so a prompt's activations are not read twice more and
 written once more by a separate quantising kernel before each of its fp8 products.
@@ -53,10 +55,15 @@ PDL = True
 _capability: dict[int, tuple[int, int]] = {}
 
 
+def compiled(x: torch.Tensor) -> bool:
+    """True where the kernels for x are compiled for its GPU (not run by Triton's interpreter)."""
+    return x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def pdl(x: torch.Tensor) -> bool:
     """True where kernels launch with programmatic dependent launch: compiled (not interpreted)
     on a GPU of compute capability 9.0 or later, and `PDL` on."""
-    if not (PDL and x.is_cuda) or os.environ.get("TRITON_INTERPRET") == "1":
+    if not (PDL and compiled(x)):
         return False
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if index not in _capability:
@@ -119,8 +126,9 @@ if triton is not None:
         tl.store(Q + row * sq + cols, divide_rn(yf, scale, inv).to(Q.dtype.element_ty), mask=mask)
 
     @triton.jit(do_not_specialize=["quantize"])
-    def _add_rms_norm_kernel(X, R, W, Y, Q, RO, S, sx, sr, so, sro, n, eps, quantize,
-                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr, E4M3: tl.constexpr, GDC: tl.constexpr):
+    def _add_norm_kernel(X, R, W, B, Y, Q, RO, S, sx, sr, so, sro, n, eps, quantize,
+                         HAS_RES: tl.constexpr, LAYER: tl.constexpr, BLOCK: tl.constexpr, E4M3: tl.constexpr,
+                         GDC: tl.constexpr):
         gdc_enter(GDC)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -133,10 +141,14 @@ if triton is not None:
             x = (xf + r.to(tl.float32)).to(dt)
             tl.store(RO + row * sro + cols, x, mask=mask)
             xf = x.to(tl.float32)
-        var = tl.sum(xf * xf, 0) / n
-        y = (xf * tl.rsqrt(var + eps)).to(dt)
-        w = tl.load(W + cols, mask=mask, other=0.0)
-        out = (y.to(tl.float32) * w.to(tl.float32)).to(dt)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        if LAYER:                            # torch's LayerNorm: (x - mean) rstd w + b in fp32, rounded once
+            d = tl.where(mask, xf - tl.sum(xf, 0) / n, 0.0)
+            rstd = tl.rsqrt(tl.sum(d * d, 0) / n + eps)
+            out = (d * rstd * w + tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)).to(dt)
+        else:                                # Qwen3RMSNorm: normalised, rounded, then times w
+            var = tl.sum(xf * xf, 0) / n
+            out = ((xf * tl.rsqrt(var + eps)).to(dt).to(tl.float32) * w).to(dt)
         if quantize != 0:                    # e4m3 into Q, row scales into S (a runtime flag: see add_rms_norm)
             quantize_store(Q, S, row, so, cols, mask, out.to(tl.float32), E4M3)
         else:
@@ -207,23 +219,73 @@ if triton is not None:
         tl.store(Y + row * sy_row + cols, y.to(Y.dtype.element_ty), mask=cols < n)
 
     @triton.jit
-    def _silu_mul_rows_kernel(GU, Q, S, s_row, sq_row, n, BLOCK: tl.constexpr, E4M3: tl.constexpr,
-                              GDC: tl.constexpr):
-        """silu_mul of one row quantised: a pass for the row's largest magnitude, a second that
-        recomputes the values (gate/up read twice, the values never written) and stores e4m3."""
+    def gelu_tanh_block(ROW, cols, n, LIBDEVICE: tl.constexpr):
+        """torch's gelu(x, approximate="tanh") = x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) in
+        fp32 as its CUDA kernel writes it, at columns `cols` of one row (0 past n), rounded to the
+        activation dtype, in fp32. tanh: libdevice's (CUDA's tanhf, torch's) where compiled;
+        Triton's interpreter has no libdevice, so there 1 - 2 / (1 + e^2u) (the same function, its
+        last bit may differ)."""
+        x = tl.load(ROW + cols, mask=cols < n, other=0.0)
+        xf = x.to(tl.float32)
+        inner = 0.7978845608028654 * (xf + 0.044715 * (xf * xf * xf))
+        if LIBDEVICE:
+            t = tl.extra.cuda.libdevice.tanh(inner)
+        else:
+            t = 1.0 - 2.0 / (1.0 + tl.exp(2.0 * inner))
+        return (0.5 * xf * (1.0 + t)).to(x.dtype).to(tl.float32)
+
+    @triton.jit
+    def activation_block(ROW, cols, n, GELU: tl.constexpr, LIBDEVICE: tl.constexpr):
+        if GELU:
+            return gelu_tanh_block(ROW, cols, n, LIBDEVICE)
+        return silu_mul_block(ROW, cols, n)
+
+    @triton.jit
+    def _activation_rows_kernel(X, Q, S, s_row, sq_row, n, BLOCK: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr,
+                                E4M3: tl.constexpr, GELU: tl.constexpr, ONE_PASS: tl.constexpr,
+                                LIBDEVICE: tl.constexpr, GDC: tl.constexpr):
+        """One row's activation (GELU of x, or silu(gate) * up of cat(gate, up)) quantised.
+        ONE_PASS: the row's values held in registers, as up to three power-of-two pieces of
+        BLOCK, B1 and B2 columns (`row_pieces`: 25,600 = 16,384 + 8,192 + 1,024; no lanes spent
+        far past n), its input read once. Otherwise a pass over BLOCK-column blocks for the row's
+        largest magnitude, then a second that recomputes the values (the input read twice) and
+        stores e4m3. The values are never written."""
         gdc_enter(GDC)
         row = tl.program_id(0)
-        amax = tl.zeros((BLOCK,), dtype=tl.float32)
-        for k0 in range(0, n, BLOCK):
-            cols = k0 + tl.arange(0, BLOCK)
-            amax = tl.maximum(amax, tl.abs(silu_mul_block(GU + row * s_row, cols, n)))
-        scale = row_scale(tl.max(amax, 0), E4M3)
-        tl.store(S + row, scale)
-        inv = tl.math.div_rn(1.0, scale)
-        for k0 in range(0, n, BLOCK):
-            cols = k0 + tl.arange(0, BLOCK)
-            y = silu_mul_block(GU + row * s_row, cols, n)
-            tl.store(Q + row * sq_row + cols, divide_rn(y, scale, inv).to(Q.dtype.element_ty), mask=cols < n)
+        x_row = X + row * s_row
+        q_row = Q + row * sq_row
+        if ONE_PASS:
+            c0 = tl.arange(0, BLOCK)
+            y0 = activation_block(x_row, c0, n, GELU, LIBDEVICE).to(X.dtype.element_ty)   # exact: already rounded
+            amax = tl.max(tl.abs(y0.to(tl.float32)), 0)
+            if B1 > 0:
+                c1 = BLOCK + tl.arange(0, B1)
+                y1 = activation_block(x_row, c1, n, GELU, LIBDEVICE).to(X.dtype.element_ty)
+                amax = tl.maximum(amax, tl.max(tl.abs(y1.to(tl.float32)), 0))
+            if B2 > 0:
+                c2 = BLOCK + B1 + tl.arange(0, B2)
+                y2 = activation_block(x_row, c2, n, GELU, LIBDEVICE).to(X.dtype.element_ty)
+                amax = tl.maximum(amax, tl.max(tl.abs(y2.to(tl.float32)), 0))
+            scale = row_scale(amax, E4M3)
+            tl.store(S + row, scale)
+            inv = tl.math.div_rn(1.0, scale)
+            tl.store(q_row + c0, divide_rn(y0.to(tl.float32), scale, inv).to(Q.dtype.element_ty), mask=c0 < n)
+            if B1 > 0:
+                tl.store(q_row + c1, divide_rn(y1.to(tl.float32), scale, inv).to(Q.dtype.element_ty), mask=c1 < n)
+            if B2 > 0:
+                tl.store(q_row + c2, divide_rn(y2.to(tl.float32), scale, inv).to(Q.dtype.element_ty), mask=c2 < n)
+        else:
+            amax = tl.zeros((BLOCK,), dtype=tl.float32)
+            for k0 in range(0, n, BLOCK):
+                cols = k0 + tl.arange(0, BLOCK)
+                amax = tl.maximum(amax, tl.abs(activation_block(x_row, cols, n, GELU, LIBDEVICE)))
+            scale = row_scale(tl.max(amax, 0), E4M3)
+            tl.store(S + row, scale)
+            inv = tl.math.div_rn(1.0, scale)
+            for k0 in range(0, n, BLOCK):
+                cols = k0 + tl.arange(0, BLOCK)
+                y = activation_block(x_row, cols, n, GELU, LIBDEVICE)
+                tl.store(q_row + cols, divide_rn(y, scale, inv).to(Q.dtype.element_ty), mask=cols < n)
 
     @triton.jit
     def _vision_rope_kernel(QKV, Q, K, COS, SIN, s_row, s_cs, H: tl.constexpr, D: tl.constexpr,
@@ -263,6 +325,19 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     are written (M, N) contiguous, row stride N: one stride argument, so the stride of the output
     a form does not write (a (1, 1) stand-in, stride 1, which Triton would specialise as a
     constant) cannot give the two forms two compilations."""
+    return _add_norm(x, weight, None, eps, residual, quantize)
+
+
+def add_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None, quantize: bool = False):
+    """`add_rms_norm` for torch's LayerNorm with its bias (the vision tower's norms): -> (h,
+    layer_norm(h) * weight + bias), or quantize: (h, (e4m3 (M, N), fp32 scale (M, 1))). The values
+    are torch's up to the order of the mean and variance sums (one rounding to the activation dtype
+    each way)."""
+    return _add_norm(x, weight, bias, eps, residual, quantize)
+
+
+def _add_norm(x, weight, bias, eps, residual, quantize):
     x2 = _rows(x)
     m, n = x2.shape
     if quantize:
@@ -274,10 +349,10 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
         y = torch.empty(m, n, dtype=x2.dtype, device=x.device)
     res_out = torch.empty_like(x2) if residual is not None else x2
     r2 = _rows(residual) if residual is not None else x2
-    _add_rms_norm_kernel[(m,)](
-        x2, r2, weight, y, q, res_out, scale, x2.stride(0), r2.stride(0), n, res_out.stride(0), n, eps,
-        int(quantize), HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n), E4M3=E4M3_MAX,
-        num_warps=8 if n >= 4096 else 4, **launch_args(x2))
+    _add_norm_kernel[(m,)](
+        x2, r2, weight, weight if bias is None else bias, y, q, res_out, scale, x2.stride(0), r2.stride(0), n,
+        res_out.stride(0), n, eps, int(quantize), HAS_RES=residual is not None, LAYER=bias is not None,
+        BLOCK=triton.next_power_of_2(n), E4M3=E4M3_MAX, num_warps=8 if n >= 4096 else 4, **launch_args(x2))
     return res_out.view(x.shape), ((q, scale) if quantize else y.view(x.shape))
 
 
@@ -327,19 +402,55 @@ def silu_mul(gate_up: torch.Tensor, quantize: bool = False):
     x2 = _rows(gate_up)
     n = x2.shape[1] // 2
     if quantize:
-        q = torch.empty(x2.shape[0], n, dtype=torch.float8_e4m3fn, device=gate_up.device)
-        scale = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=gate_up.device)
-        _silu_mul_rows_kernel[(x2.shape[0],)](x2, q, scale, x2.stride(0), q.stride(0), n,
-                                              BLOCK=min(4096, triton.next_power_of_2(n)), E4M3=E4M3_MAX,
-                                              num_warps=8 if n >= 4096 else 4, **launch_args(x2))
-        return q, scale
+        return _activation_rows(x2, n, gelu=False)
     y = torch.empty(x2.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
     _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, SILU_BLOCK))](x2, y, x2.stride(0), y.stride(0), n, BLOCK=SILU_BLOCK,
                                                                 num_warps=4, **launch_args(x2))
     return y.view(*gate_up.shape[:-1], n)
 
 
+def gelu_tanh_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., n) -> (e4m3 (M, n), fp32 scale (M, 1)) of gelu(x, approximate="tanh") over its M
+    rows (the vision tower's MLP activation, handed to its fp8 product): `quantize_rows` of the
+    values torch's CUDA kernel computes, without writing them."""
+    x2 = _rows(x)
+    return _activation_rows(x2, x2.shape[1], gelu=True)
+
+
+def _activation_rows(x2: torch.Tensor, n: int, gelu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    q = torch.empty(x2.shape[0], n, dtype=torch.float8_e4m3fn, device=x2.device)
+    scale = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x2.device)
+    pieces = row_pieces(n)
+    one_pass = sum(pieces) <= ROW_MAX
+    b0, b1, b2 = pieces if one_pass else (4096, 0, 0)
+    _activation_rows_kernel[(x2.shape[0],)](x2, q, scale, x2.stride(0), q.stride(0), n, BLOCK=b0, B1=b1, B2=b2,
+                                            E4M3=E4M3_MAX, GELU=gelu, ONE_PASS=one_pass, LIBDEVICE=compiled(x2),
+                                            num_warps=row_warps(sum(pieces), one_pass), **launch_args(x2))
+    return q, scale
+
+
 SILU_BLOCK = 1024                      # output columns per program of silu_mul
+# A quantised activation holds a row of up to this many columns in registers (its input read once);
+# wider rows take two passes over 4,096-column blocks.
+ROW_MAX = 32768
+
+
+def row_pieces(n: int) -> tuple[int, int, int]:
+    """A row of n columns as three power-of-two pieces (the last may be 0): n's two highest powers
+    of two, then what is left rounded up (25,600 -> 16,384 + 8,192 + 1,024; 4,304 -> 4,096 + 128 + 128)."""
+    b0 = 1 << (n.bit_length() - 1)
+    b1 = 1 << ((n - b0).bit_length() - 1) if n > b0 else 0
+    rest = n - b0 - b1
+    return b0, b1, 1 << (rest - 1).bit_length() if rest else 0
+
+
+def row_warps(columns: int, one_pass: bool) -> int:
+    """Warps of a quantised activation's program: one per 2,048 columns held, rounded up to a power
+    of two (4 to 32), 8 for two passes. On the H200 (2026-12-02, the pieces of `row_pieces`): the
+    32B MLP's rows of 25,600 with 16 warps 189 us at 4,623 rows (32 warps 247; one 32,768-column
+    block 229; two passes 267; silu then `quantize_rows` 316), the vision GELU's 4,304 with 4
+    warps 150 us at 17,280 rows (8 warps 153; GELU then `quantize_rows` 174)."""
+    return min(32, max(4, triton.next_power_of_2(columns) // 2048)) if one_pass else 8
 
 
 def vision_rope(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,13 +39,44 @@ for m, n, residual in [(5, 300, False), (4, 300, True), (3, 5000, True)]:
     rq, rs = fp8.quantize_rows(y)
     out["norm"].append(dict(case=[m, n, residual], q_dtype=str(q.dtype), s_shape=list(s.shape),
                             same_h=same(h, hq), same_q=same(q, rq), same_s=same(s, rs)))
-for m, n in [(4, 300), (3, 4100)]:
+import worker.model.fused_ops as fused_ops
+for m, n, row_max in [(4, 300, 32768), (3, 4100, 32768), (3, 4100, 4096), (2, 9000, 4096)]:
+    fused_ops.ROW_MAX = row_max                  # rows of more columns take the two-pass form
     gu = (torch.randn(m, 2 * n, generator=gen) * 2).to(torch.bfloat16)
     gu[1, :n] = -30.0                                 # a row whose silu is all but zero: the scale's floor
     q, s = silu_mul(gu, quantize=True)
     rq, rs = fp8.quantize_rows(silu_mul(gu))
-    out["silu"].append(dict(case=[m, n], q_dtype=str(q.dtype), s_shape=list(s.shape), same_q=same(q, rq),
+    out["silu"].append(dict(case=[m, n, row_max], q_dtype=str(q.dtype), s_shape=list(s.shape), same_q=same(q, rq),
                             same_s=same(s, rs)))
+fused_ops.ROW_MAX = 32768
+
+# the vision tower's LayerNorm (bias; the residual add) and tanh GELU (one pass and two)
+import torch.nn.functional as F
+from worker.model.fused_ops import add_layer_norm, gelu_tanh_rows
+out["layer_norm"], out["gelu"] = [], []
+for m, n, residual in [(5, 300, False), (4, 1152, True)]:
+    x = (torch.randn(m, n, generator=gen) * 3 + 1).to(torch.bfloat16)
+    r = torch.randn(m, n, generator=gen).to(torch.bfloat16) if residual else None
+    w, b = (torch.randn(n, generator=gen).to(torch.bfloat16) for _ in range(2))
+    h, y = add_layer_norm(x, w, b, 1e-6, residual=r)
+    hq, (q, s) = add_layer_norm(x, w, b, 1e-6, residual=r, quantize=True)
+    rq, rs = fp8.quantize_rows(y)
+    want_h = x.float() + (r.float() if residual else 0)
+    want = F.layer_norm(want_h, (n,), w.float(), b.float(), 1e-6)
+    out["layer_norm"].append(dict(case=[m, n, residual], same_h=same(h, hq), same_q=same(q, rq), same_s=same(s, rs),
+                                  h_err=float((h.float() - want_h).abs().max() / want_h.abs().max()),
+                                  y_err=float((y.float() - want).norm() / want.norm())))
+for m, n, row_max in [(4, 300, 32768), (3, 4304, 32768), (3, 4304, 4096)]:
+    fused_ops.ROW_MAX = row_max
+    x = (torch.randn(m, n, generator=gen) * 3).to(torch.bfloat16)
+    x[1] = -30.0                                      # a row whose GELU is all but zero: the scale's floor
+    q, s = gelu_tanh_rows(x)
+    rq, rs = fp8.quantize_rows(F.gelu(x, approximate="tanh"))
+    got, want = q.float() * s, rq.float() * rs
+    out["gelu"].append(dict(case=[m, n, row_max], q_dtype=str(q.dtype), s_shape=list(s.shape), same_s=same(s, rs),
+                            same_q_fraction=float((q.view(torch.uint8) == rq.view(torch.uint8)).float().mean()),
+                            err=float((got - want).norm() / want.norm())))
+fused_ops.ROW_MAX = 32768
 
 # a 2-layer fp8 stack whose products take the fp8 x fp8 path (`fast`, as on an fp8 GPU)
 conf = Qwen3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
@@ -70,6 +101,28 @@ def run_both(fn):
                     y = fn()
         res.append((y, spy.call_count))
     return res
+
+# a vision block whose four products multiply in fp8 x fp8: the norms and the GELU hand over
+from transformers import Qwen3VLConfig
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionBlock
+from worker.model.fast_vision import _fp8_block, _vision_block_fp8
+vconf = Qwen3VLConfig().vision_config
+vconf.hidden_size, vconf.intermediate_size, vconf.num_heads = 64, 160, 4
+torch.manual_seed(5)
+block = Qwen3VLVisionBlock(vconf).eval().requires_grad_(False).to(torch.bfloat16)
+for norm in (block.norm1, block.norm2):
+    torch.nn.init.normal_(norm.weight, 1.0, 0.2), torch.nn.init.normal_(norm.bias, 0.0, 0.2)
+out["vision_block"] = dict(before=_fp8_block(block))
+with mock.patch.object(fp8, "_has_fp8_mm", return_value=True):
+    assert fp8.quantize_linears(block) == 4
+out["vision_block"]["after"] = _fp8_block(block)
+xv = torch.randn(3 * 40, 64, generator=gen).to(torch.bfloat16)      # 3 images of 40 patches
+cu = torch.tensor([0, 40, 80, 120], dtype=torch.int32)
+angles = torch.randn(120, 8, generator=gen)
+pe = (torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin())
+(a, na), (b, nb) = run_both(lambda: _vision_block_fp8(block, xv, cu, position_embeddings=pe, memo=[None]))
+out["vision_block"].update(calls=[na, nb], rel=float((a.float() - b.float()).norm() / b.float().norm()),
+                           finite=bool(a.isfinite().all()))
 
 p_tokens = 80
 h = torch.randn(1, p_tokens, 64, generator=gen).to(torch.bfloat16)
@@ -109,10 +162,36 @@ def test_norm_hands_over_the_bits_quantize_rows_gives_its_output(interpreted):
 
 
 def test_silu_mul_hands_over_the_bits_quantize_rows_gives_its_output(interpreted):
-    assert [c["case"] for c in interpreted["silu"]] == [[4, 300], [3, 4100]]
+    # one pass (the row held in registers), and two over 4,096-column blocks (rows wider than ROW_MAX)
+    assert [c["case"] for c in interpreted["silu"]] == [[4, 300, 32768], [3, 4100, 32768], [3, 4100, 4096],
+                                                        [2, 9000, 4096]]
     for c in interpreted["silu"]:
         assert c["q_dtype"] == "torch.float8_e4m3fn" and c["s_shape"] == [c["case"][0], 1], c
         assert c["same_q"] and c["same_s"], c
+
+
+def test_the_vision_layer_norm_hands_over_the_bits_quantize_rows_gives_its_output(interpreted):
+    assert [c["case"] for c in interpreted["layer_norm"]] == [[5, 300, False], [4, 1152, True]]
+    for c in interpreted["layer_norm"]:
+        assert c["same_h"] and c["same_q"] and c["same_s"], c
+        # torch's LayerNorm in fp32 (the interpreter rounds to bf16 its own way: no bit check here;
+        # `worker.kernel_check` counts the values that differ from torch's on the GPU)
+        assert c["h_err"] < 8e-3 and c["y_err"] < 8e-3, c
+
+
+def test_the_gelu_hands_over_quantize_rows_of_torchs_values(interpreted):
+    assert [c["case"] for c in interpreted["gelu"]] == [[4, 300, 32768], [3, 4304, 32768], [3, 4304, 4096]]
+    for c in interpreted["gelu"]:
+        assert c["q_dtype"] == "torch.float8_e4m3fn" and c["s_shape"] == [c["case"][0], 1], c
+        # the interpreter's tanh stand-in and its e4m3 rounding differ from the GPU's in a few values
+        assert c["same_s"] and c["same_q_fraction"] > 0.9 and c["err"] < 5e-2, c
+
+
+def test_an_fp8_vision_block_quantises_one_input_instead_of_four(interpreted):
+    v = interpreted["vision_block"]
+    assert not v["before"] and v["after"], v            # only fp8 products take the path
+    # handed over: only the attention's output is quantised by its product; before, all four inputs
+    assert v["calls"] == [1, 4] and v["finite"] and v["rel"] < 3e-2, v
 
 
 def test_fp8_layers_give_the_same_output_with_one_quantising_pass_instead_of_four(interpreted):

@@ -35,17 +35,23 @@ def compiled(fn, pointers: dict[str, str], constants: dict, warps: int = 4, stag
 
 def _cases():
     bf, f8, f32, i64 = "*bf16", "*fp8e4nv", "*fp32", "*i64"
-    norm = dict(HAS_RES=True, BLOCK=8192, E4M3=448.0, GDC=True)
-    for name, changes in [("plain or quantised", {}), ("first layer", dict(HAS_RES=False))]:
-        yield (f"add_rms_norm: {name}", fused_ops._add_rms_norm_kernel,
-               dict(X=bf, R=bf, W=bf, Y=bf, Q=f8, RO=bf, S=f32), {**norm, **changes}, 8)
+    norm = dict(HAS_RES=True, LAYER=False, BLOCK=8192, E4M3=448.0, GDC=True)
+    for name, changes in [("add_rms_norm, plain or quantised", {}), ("add_rms_norm, first layer", dict(HAS_RES=False)),
+                          ("add_layer_norm (vision, 1,152 wide)", dict(LAYER=True, BLOCK=2048)),
+                          ("add_layer_norm, no residual", dict(HAS_RES=False, LAYER=True, BLOCK=2048))]:
+        yield (name, fused_ops._add_norm_kernel,
+               dict(X=bf, R=bf, W=bf, B=bf, Y=bf, Q=f8, RO=bf, S=f32), {**norm, **changes}, 8)
     for table in (False, True):
         yield (f"qk_norm_rope_write, table={table}", fused_ops._qk_norm_rope_write_kernel,
                dict(QKV=bf, QO=bf, KC=bf, VC=bf, QW=bf, KW=bf, START=i64, DELTA=i64, INV_FREQ=f32, COS=bf, SIN=bf),
                dict(HQ=64, HKV=8, D=128, NH=128, TABLE=table, GDC=True), 4)
     yield ("silu_mul", fused_ops._silu_mul_kernel, dict(GU=bf, Y=bf), dict(BLOCK=fused_ops.SILU_BLOCK, GDC=True), 4)
-    yield ("silu_mul quantised", fused_ops._silu_mul_rows_kernel, dict(GU=bf, Q=f8, S=f32),
-           dict(BLOCK=4096, E4M3=448.0, GDC=True), 8)
+    for gelu, one_pass, n in ((False, True, 25600), (False, False, 40000), (True, True, 4304), (True, False, 40000)):
+        pieces = fused_ops.row_pieces(n) if one_pass else (4096, 0, 0)
+        yield (f"{'gelu_tanh' if gelu else 'silu_mul'} quantised, one pass={one_pass}", fused_ops._activation_rows_kernel,
+               dict(X=bf, Q=f8, S=f32), dict(BLOCK=pieces[0], B1=pieces[1], B2=pieces[2], E4M3=448.0, GELU=gelu,
+                                             ONE_PASS=one_pass, LIBDEVICE=True, GDC=True),
+               fused_ops.row_warps(sum(pieces), one_pass))
     yield ("sum_splits", stream_gemm._sum_splits_kernel, dict(PART=f32, SCALE=f32, BIAS=bf, Y=bf),
            dict(SPLIT=4, HAS_SCALE=True, HAS_BIAS=False, BLOCK=stream_gemm.REDUCE_BLOCK, GDC=True), 4)
     yield ("vision_rope", fused_ops._vision_rope_kernel, dict(QKV=bf, Q=bf, K=bf, COS=f32, SIN=f32),
@@ -90,8 +96,8 @@ def test_the_quantising_norm_is_the_plain_norms_compiled_kernel(monkeypatch):
     launches = []
 
     class Recording:
-        arg_names = fused_ops._add_rms_norm_kernel.arg_names
-        do_not_specialize = fused_ops._add_rms_norm_kernel.do_not_specialize
+        arg_names = fused_ops._add_norm_kernel.arg_names
+        do_not_specialize = fused_ops._add_norm_kernel.do_not_specialize
 
         def __getitem__(self, grid):          # ints by value: Triton specialises 1 and multiples of 16
             flag = Recording.arg_names.index("quantize")
@@ -99,12 +105,21 @@ def test_the_quantising_norm_is_the_plain_norms_compiled_kernel(monkeypatch):
                 a.dtype if isinstance(a, torch.Tensor) else a if isinstance(a, int) and i != flag else type(a)
                 for i, a in enumerate(args)), kw))
 
-    monkeypatch.setattr(fused_ops, "_add_rms_norm_kernel", Recording())
+    monkeypatch.setattr(fused_ops, "_add_norm_kernel", Recording())
     x, w = torch.randn(3, 64, dtype=torch.bfloat16), torch.ones(64, dtype=torch.bfloat16)
     fused_ops.add_rms_norm(x, w, 1e-6, x, quantize=False)
     fused_ops.add_rms_norm(x, w, 1e-6, x, quantize=True)
     assert len(launches) == 2 and launches[0] == launches[1]
     assert {"quantize", Recording.arg_names.index("quantize")} & set(Recording.do_not_specialize)
+
+
+def test_a_quantised_activations_row_is_three_pieces_that_cover_it_with_a_power_of_two_of_warps():
+    for n, pieces in [(25600, (16384, 8192, 1024)), (4304, (4096, 128, 128)), (1152, (1024, 128, 0)), (4096, (4096, 0, 0)),
+                      (300, (256, 32, 16)), (7, (4, 2, 1))]:
+        assert fused_ops.row_pieces(n) == pieces and n <= sum(pieces) < n + max(pieces[2], 1)
+    for n in range(1, 40000, 7):              # Triton launches only a power of two of warps
+        warps = fused_ops.row_warps(sum(fused_ops.row_pieces(n)), True)
+        assert warps in (4, 8, 16, 32), (n, warps)
 
 
 def test_every_launched_kernel_is_compiled_here():

@@ -1,0 +1,290 @@
+"""GPU timings of the serving path's kernels and their alternatives: `python -m worker.kernel_check
+--sweep [--fp8-only] [--rows M,M] [--prefill]` (after the checks of `worker.kernel_check`; GPU
+only, prints tables, chooses nothing). What the tables decided is in docs/benchmarks.md and next
+to each choice (`stream_gemm.LAUNCH_CONFIGS`, `layers.GEMV_MAX_ROWS`, `fp8.WEIGHT_ONLY_MAX_ROWS`,
+`fp8.FAST_ACCUM`, `fused_ops.row_warps`)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from worker.kernel_check import SHAPES, rel_err
+from worker.model.attention import cache_attention
+from worker.model.fp8 import WEIGHT_ONLY_MAX_ROWS, quantize_rows, quantize_weight, scaled_mm_linear
+from worker.model.fused_ops import add_rms_norm, silu_mul
+from worker.model.layers import GEMV_MAX_ROWS
+from worker.model.stream_gemm import LaunchConfig, launch_config, stream_linear
+
+
+def run(dev, gen, fp8_only: bool, rows: str | None, prefill: bool) -> None:
+    """The sweeps `python -m worker.kernel_check --sweep` asks for."""
+    if not fp8_only:
+        sweep_decode_attention(dev, gen, copy_bandwidth(dev))
+        sweep_expert_attention(dev, gen)
+        sweep_weight_gemms(dev, gen)
+    sweep_fp8_linear(dev, gen, {int(m) for m in rows.split(",")} if rows else None)
+    if prefill:
+        sweep_fp8_prefill(dev, gen)
+        sweep_prefill_attention(dev, gen)
+
+
+def sweep_expert_attention(dev, gen) -> None:
+    """Times the expert's attention (8 rows, T = 64, 16/8 heads, 4400 live keys) under several
+    launch configurations (GPU only; prints a table, chooses nothing)."""
+    import triton.testing
+
+    b, t, hq, hkv, d, cap = 8, 64, 16, 8, 128, 4608
+    q = torch.randn(b, t, hq, d, device=dev, generator=gen).to(torch.bfloat16)
+    k = torch.randn(b, hkv, cap, d, device=dev, generator=gen).to(torch.bfloat16)
+    v = torch.randn_like(k)
+    live = torch.full((b,), 4464, device=dev)
+    flops = 4 * b * hq * t * 4464 * d
+    print("| expert attention config | us | TFLOP/s |\n|---|---|---|")
+    configs = [(128, bn, st, sp) for bn in (64, 128) for st in (2, 3) for sp in (None, 1, 2, 3)]
+    configs += [(64, bn, 3, sp) for bn in (64, 128) for sp in (1, 2)]
+    for block_m, block_n, stages, splits in configs:
+        name = f"block_m {block_m}, block_n {block_n}, stages {stages}, splits {splits or 'auto'}"
+        try:
+            ms = triton.testing.do_bench(lambda: cache_attention(q, k, v, live, False, block_n=block_n,
+                                                                 num_stages=stages, splits=splits, block_m=block_m),
+                                         warmup=20, rep=100, return_mode="median")
+        except Exception as e:          # a config over the shared-memory limit
+            print(f"| {name} | {type(e).__name__} | - |")
+            continue
+        print(f"| {name} | {ms * 1e3:.1f} | {flops / ms / 1e9:.0f} |", flush=True)
+
+
+def sweep_decode_attention(dev, gen, bw: float) -> None:
+    """Times the decoder's attention over a 24-image prompt's cache (4,623 live keys of a 8,192
+    capacity, 64/8 heads of 128, bf16) at decode (T = 1) and verify (T = 8), 1 and 16 rows, under
+    the split plan and fixed split counts, in CUDA graphs, against its K/V bytes at copy bandwidth
+    `bw` (GPU only; prints a table, chooses nothing). At batch 1 the fp8 decode step spends ~1.4 ms
+    of its 10.3 in attention by the profile, where the K/V floor is ~0.29 ms."""
+    import triton.testing
+
+    hq, hkv, d = SHAPES["32b"]["decode"][0][2:5]
+    cap, live_len = 8192, PREFILL_ROWS          # the worker's default row capacity; a 24-image prompt
+    print(f"\n| decode attention (live {live_len} of {cap}, {hq}/{hkv} heads of {d}) | rows | T | K/V floor us "
+          "| plan us | 8 splits | 16 | 32 | 64 |\n" + "|---" * 9 + "|")
+    for rows, t in ((1, 1), (1, 8), (16, 1), (16, 8)):
+        q = torch.randn(rows, t, hq, d, device=dev, generator=gen).to(torch.bfloat16)
+        k = torch.randn(rows, hkv, cap, d, device=dev, generator=gen).to(torch.bfloat16)
+        v = torch.randn_like(k)
+        live = torch.full((rows,), live_len, device=dev)
+        cells = []
+        for splits in (None, 8, 16, 32, 64):
+            fn = lambda sp=splits: cache_attention(q, k, v, live, t > 1, splits=sp)   # noqa: E731
+            try:
+                fn()
+                cells.append(f"{triton.testing.do_bench_cudagraph(fn, return_mode='median') * 1e3:.1f}")
+            except Exception as e:              # a split count this shape cannot take
+                cells.append(type(e).__name__)
+        floor = 2 * rows * hkv * live_len * d * 2 / bw * 1e6
+        print(f"| | {rows} | {t} | {floor:.1f} | " + " | ".join(cells) + " |", flush=True)
+
+
+def copy_bandwidth(dev) -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read + write)."""
+    import triton.testing
+
+    big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    copy_ms = triton.testing.do_bench(lambda: big.clone(), warmup=5, rep=50, return_mode="median")
+    return 2 * big.numel() / (copy_ms * 1e-3)
+
+
+def sweep_weight_gemms(dev, gen) -> None:
+    """Times the 32B layer's weight products at M = 1, 8, 32, 128, 256 rows in four forms: F.linear
+    on the (N, K) weight, the same through cuBLASLt, x @ W^T stored (K, N) contiguous, and (up to
+    `layers.GEMV_MAX_ROWS` rows) the Triton weight-streaming product on the (N, K) weight, with the
+    microseconds each matrix's bytes take at the copy bandwidth measured here (GPU only; prints a
+    table, chooses nothing)."""
+    import triton.testing
+
+    n_hidden, n_inter, n_qkv = 5120, 25600, (64 + 16) * 128
+    shapes = {"gate/up": (2 * n_inter, n_hidden), "down": (n_hidden, n_inter), "qkv": (n_qkv, n_hidden),
+              "o": (n_hidden, 64 * 128)}
+    bw = copy_bandwidth(dev)
+    print(f"| weight product (copy bandwidth {bw / 1e12:.2f} TB/s) | M | bytes floor us | F.linear us "
+          f"| cuBLASLt us | x @ W^T (K, N) us | stream_linear (N, K) us |\n|---|---|---|---|---|---|---|")
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device=dev, generator=gen).to(torch.bfloat16)
+        wt = w.t().contiguous()
+        for m in (1, 8, 32, 128, 256):
+            x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+            times = []
+            for form in ("linear", "lt", "kn"):
+                fn = (lambda: torch.matmul(x, wt)) if form == "kn" else (lambda: torch.nn.functional.linear(x, w))
+                prev = torch.backends.cuda.preferred_blas_library()
+                if form == "lt":
+                    torch.backends.cuda.preferred_blas_library("cublaslt")
+                try:
+                    times.append(triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e3)
+                finally:
+                    torch.backends.cuda.preferred_blas_library(prev)
+            stream = (triton.testing.do_bench(lambda w=w, x=x: stream_linear(x, w, None), warmup=10, rep=100,
+                                              return_mode="median") * 1e3) if m <= GEMV_MAX_ROWS else None
+            print(f"| {name} ({n}x{k}) | {m} | {w.numel() * 2 / bw * 1e6:.1f} | "
+                  + " | ".join(f"{t:.1f}" for t in times) + f" | {'-' if stream is None else f'{stream:.1f}'} |",
+                  flush=True)
+        del w, wt
+
+# alternatives to LAUNCH_CONFIGS' entry per row count: (block_m, block_n, block_k, warps, stages[, swap_ab])
+FP8_SWEEP_CONFIGS = {
+    1: [LaunchConfig(1, bn, bk, w, 2) for bn, bk in ((8, 512), (8, 1024), (16, 256), (16, 512), (16, 1024), (32, 128),
+                                                     (32, 256), (32, 512), (64, 128)) for w in (4, 8)],
+    8: [LaunchConfig(16, bn, bk, w, st) for bn, bk, w, st in ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3),
+                                                               (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3))],
+    32: [LaunchConfig(32, bn, bk, w, st) for bn, bk, w, st in ((32, 128, 4, 4), (64, 64, 4, 4), (64, 256, 4, 3),
+                                                                (128, 128, 4, 3), (128, 128, 8, 3))],
+    64: [LaunchConfig(64, bn, bk, w, st, sw) for bn, bk, w, st, sw in ((64, 128, 4, 3, False), (64, 128, 4, 3, True),
+                                                                       (128, 64, 4, 4, True), (64, 256, 4, 3, True))],
+}
+PREFILL_ROWS = 4623                    # one 24-image scene's prompt (docs/benchmarks.md)
+
+
+STREAMED_BYTES = 256 << 20             # weight copies cycled per timing: more than the L2 cache holds
+
+
+def _bench_streamed_us(fn, weight: torch.Tensor, *rest: torch.Tensor) -> float:
+    """Microseconds of fn(weight, *rest) replayed in a CUDA graph, cycling through copies of the
+    weight (and `rest`, its companions) that together exceed the L2 cache, so each call reads
+    its weight from memory as a decode step does."""
+    import itertools
+
+    import triton.testing
+
+    copies = [(weight, *rest)] + [(weight.clone(), *(r.clone() for r in rest))
+                                  for _ in range(-(-STREAMED_BYTES // (weight.numel() * weight.element_size())) - 1)]
+    turn = itertools.count()
+    return triton.testing.do_bench_cudagraph(lambda: fn(*copies[next(turn) % len(copies)]),
+                                             return_mode="median") * 1e3
+
+
+def sweep_fp8_prefill(dev, gen, rows: int = PREFILL_ROWS) -> None:
+    """Times the forms of an fp8 x fp8 product for a prompt's `rows` tokens at the 32B weight
+    shapes: bf16 F.linear; the activation quantisation alone (`quantize_rows`); `_scaled_mm` with
+    row-wise scales (what `scaled_mm_linear` runs after it) and with fast accumulation; with
+    one scale per tensor, with and without fast accumulation. TFLOP/s in brackets (GPU only). The
+    last column: the row-wise product's relative error against the fp32 product of the same
+    quantised operands, without / with fast accumulation (what `fp8.FAST_ACCUM` adds). Then the op
+    that makes the product's input (norm, silu * up) with quantize_rows after it, against it
+    handing its output over quantised (`layers.norm_project`, `layers.silu_project`)."""
+    print(f"\n| prefill product ({rows} rows) | bf16 F.linear us | quantize_rows us | _scaled_mm row-wise us "
+          "| row-wise, fast accum | per-tensor | per-tensor, fast accum | rel err exact / fast "
+          "| op before + quantize_rows / handing over us |\n" + "|---" * 9 + "|")
+    for name, n, k in SHAPES["32b"]["linear"]:
+        w8, scale = quantize_weight(torch.randn(n, k, device=dev, generator=gen))
+        x = torch.randn(rows, k, device=dev, generator=gen).to(torch.bfloat16)
+        xq, x_scale = quantize_rows(x)
+        one = torch.ones((), device=dev)
+        flop = 2 * rows * n * k
+
+        def form(fn, *args, flop=flop) -> str:
+            try:
+                us = _bench_streamed_us(fn, *args)
+            except Exception as e:              # a form this torch / device does not offer
+                return type(e).__name__
+            return f"{us:.0f} ({flop / us / 1e6:.0f})" if flop else f"{us:.0f}"
+
+        def mm(w, a_scale, b_scale, fast):
+            return torch._scaled_mm(xq, w.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16,
+                                    use_fast_accum=fast)
+
+        w16 = w8.to(torch.bfloat16)
+        cells = [form(lambda w: torch.nn.functional.linear(x, w), w16),
+                 form(lambda w: quantize_rows(x), w8),
+                 form(lambda w: mm(w, x_scale, scale[None, :], False), w8),
+                 form(lambda w: mm(w, x_scale, scale[None, :], True), w8),
+                 form(lambda w: mm(w, one, one, False), w8),
+                 form(lambda w: mm(w, one, one, True), w8)]
+        exact = (xq.float() * x_scale) @ (w8.float() * scale[:, None]).t()
+        cells.append(" / ".join(f"{rel_err(mm(w8, x_scale, scale[None, :], fast), exact)[0]:.2e}"
+                                for fast in (False, True)))
+        wn = torch.randn(k, device=dev, generator=gen).to(torch.bfloat16)
+        norm = lambda a, q: add_rms_norm(a, wn, 1e-6, a, quantize=q)[1]  # noqa: E731
+        before = {"qkv": norm, "gate/up": norm, "down": lambda a, q: silu_mul(a, quantize=q)}.get(name)
+        src = x if name != "down" else torch.randn(rows, 2 * k, device=dev, generator=gen).to(torch.bfloat16)
+        cells.append(f"{form(lambda a: quantize_rows(before(a, False)), src, flop=0)} / "
+                     f"{form(lambda a: before(a, True), src, flop=0)}" if before else "-")
+        print(f"| {name} ({n}x{k}) | " + " | ".join(cells) + " |", flush=True)
+
+
+def sweep_prefill_attention(dev, gen, rows: int = PREFILL_ROWS) -> None:
+    """Times one layer's causal attention over a prompt of `rows` tokens (the 32B heads, bf16) as
+    `FusedStack.prefill_layer` calls it (torch SDPA, grouped-query heads), under each SDPA backend
+    alone, and with K/V expanded to every query head first (for backends without grouped-query
+    support); TFLOP/s of the causal half in brackets (GPU only)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    hq, hkv, d = SHAPES["32b"]["decode"][0][2:5]
+    q = torch.randn(1, hq, rows, d, device=dev, generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(1, hkv, rows, d, device=dev, generator=gen).to(torch.bfloat16) for _ in range(2))
+    flop = 2 * 2 * hq * rows * rows * d / 2
+    print(f"\n| prefill attention ({rows} tokens, {hq}/{hkv} heads of {d}) | grouped-query us | K/V expanded first us |"
+          "\n|---|---|---|")
+
+    def timed(fn) -> str:
+        try:
+            fn()
+            us = _bench_streamed_us(lambda _: fn(), q)
+        except Exception as e:                  # a backend this torch / device / shape does not offer
+            return type(e).__name__
+        return f"{us:.0f} ({flop / us / 1e6:.0f})"
+
+    rep = hq // hkv
+    for name in ("default", "FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+        ctx = (lambda: contextlib.nullcontext()) if name == "default" else (lambda: sdpa_kernel(getattr(SDPBackend, name)))
+
+        def gqa():
+            with ctx():
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        def expanded():
+            with ctx():
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
+        print(f"| {name} | {timed(gqa)} | {timed(expanded)} |", flush=True)
+
+
+def sweep_fp8_linear(dev, gen, only_rows: set[int] | None = None) -> None:
+    """Times the weight-only fp8 product (the launch-config table's choice) against fp8 x fp8
+    `_scaled_mm` and bf16 F.linear at the 32B weight shapes and several row counts, then the
+    alternatives in FP8_SWEEP_CONFIGS (with the split rule and without splitting) on the text
+    layer's shapes. Each form is captured in a CUDA graph (as the serving path runs it) and reads
+    its weight from memory, not from L2 (GPU only; prints tables; Fp8Linear uses weight-only up to
+    WEIGHT_ONLY_MAX_ROWS)."""
+    bw = copy_bandwidth(dev)
+    print(f"\n| fp8 product (copy bandwidth {bw / 1e12:.2f} TB/s) | M | fp8 bytes floor us | weight-only us "
+          "| _scaled_mm us | bf16 F.linear us | bf16 / weight-only | Fp8Linear uses |\n" + "|---" * 8 + "|")
+    weights = {}
+    for name, n, k in SHAPES["32b"]["linear"]:
+        w8, scale = quantize_weight(torch.randn(n, k, device=dev, generator=gen))
+        w16 = torch.randn(n, k, device=dev, generator=gen).to(torch.bfloat16)
+        weights[name] = (w8, scale)
+        for m in [m for m in (1, 8, 32, 64, 128, 256) if only_rows is None or m in only_rows]:
+            x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+            ours = _bench_streamed_us(lambda w, s: stream_linear(x, w, s), w8, scale)
+            scaled = _bench_streamed_us(lambda w, s: scaled_mm_linear(x, w, s), w8, scale)
+            bf16 = _bench_streamed_us(lambda w: torch.nn.functional.linear(x, w), w16)
+            uses = "weight-only" if m <= WEIGHT_ONLY_MAX_ROWS else "_scaled_mm"
+            print(f"| {name} ({n}x{k}) | {m} | {n * k / bw * 1e6:.1f} | {ours:.1f} | {scaled:.1f} | {bf16:.1f} "
+                  f"| {bf16 / ours:.2f} | {uses} |", flush=True)
+        del w16
+        torch.cuda.empty_cache()
+    print("\n| fp8 weight-only config (block_m, block_n, block_k, warps, stages) | M | shape | us, split rule "
+          "| us, no split | table's choice |\n|---|---|---|---|---|---|")
+    for m, configs in [(m, c) for m, c in FP8_SWEEP_CONFIGS.items() if only_rows is None or m in only_rows]:
+        for name in ("qkv", "o", "gate/up", "down"):
+            w8, scale = weights[name]
+            x = torch.randn(m, w8.shape[1], device=dev, generator=gen).to(torch.bfloat16)
+            for c in [launch_config(m)] + [c for c in configs if c != launch_config(m)]:
+                try:
+                    times = [_bench_streamed_us(lambda w, s: stream_linear(x, w, s, config=c, splits=sp), w8, scale)
+                             for sp in (None, 1)]
+                except Exception as e:          # a config over the shared-memory or register limit
+                    print(f"| {c} | {m} | {name} | {type(e).__name__} | - | |")
+                    continue
+                print(f"| {c.block_m}, {c.block_n}, {c.block_k}, {c.warps}, {c.stages}{', swapped' * c.swap_ab} | {m} | {name} "
+                      f"| {times[0]:.1f} | {times[1]:.1f} | {'yes' if c == launch_config(m) else ''} |", flush=True)
