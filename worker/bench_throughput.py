@@ -18,6 +18,7 @@ Budget on an H200 (32B shape, defaults): about 1 min to build the model, then ~3
 from __future__ import annotations
 
 import contextlib
+import gc
 import statistics
 import time
 from dataclasses import dataclass
@@ -38,9 +39,10 @@ from worker.model.runtime import SceneRequest
 TAU = 4.0
 CAMERAS = (0, 1, 2, 3, 5, 6)
 WARMUP_REASONING = 16          # reasoning tokens of the untimed warm-up batches
-DEMO_REPS = 5                   # timed runs of each demo-checkpoint batch, baseline and dflash2 in turn (2 runs
+DEMO_REPS = 11                  # timed runs of each demo-checkpoint batch, baseline and dflash2 in turn (2 runs
                                 # each, one runtime after the other, gave 1.29x, 1.16x and 0.97x at K=3 in
-                                # three sessions)
+                                # three sessions; 5 in turn 0.79-1.11x at K=1: a ~120 ms host-bound batch whose
+                                # prefills moved by a few ms, and by 30-40 ms in one run of 12)
 GPU_MEMORY_FRACTION = 0.93      # of the H200 for weights + persistent cache (the bench's own plan)
 
 
@@ -301,6 +303,8 @@ def demo_runtimes(checkpoint: str, head: str, rows: int):
     for rt in (base, spec):
         rt.enable_graphs(max_rows=rows, capacity=1024)
     spec.calibrate_speculation()
+    gc.collect()        # what the loaded objects are to the collector in a serving process
+    gc.freeze()         # (`process.load_and_freeze`): no collection walks them during the timed runs
     return base, spec
 
 
