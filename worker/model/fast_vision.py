@@ -84,8 +84,8 @@ def _vision_block_fp8(self, hidden_states, cu_seqlens, position_embeddings=None,
 
 
 def _fp8_block(block) -> bool:
-    """True for a vision block `_vision_block_fp8` runs: fp8 products with biases, torch's
-    tanh-approximate GELU between the MLP's two."""
+    """True for a vision block `_vision_block_fp8` runs: its four products fp8 (`Fp8Linear`), torch's
+    tanh-approximate GELU between the MLP's two (what `gelu_tanh_rows` computes)."""
     act = getattr(block.mlp.act_fn, "act", None)
     return (all(isinstance(m, Fp8Linear) for m in (block.attn.qkv, block.attn.proj, block.mlp.linear_fc1,
                                                     block.mlp.linear_fc2))

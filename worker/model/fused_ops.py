@@ -125,34 +125,68 @@ if triton is not None:
         inv = tl.math.div_rn(1.0, scale)
         tl.store(Q + row * sq + cols, divide_rn(yf, scale, inv).to(Q.dtype.element_ty), mask=mask)
 
-    @triton.jit(do_not_specialize=["quantize"])
-    def _add_norm_kernel(X, R, W, B, Y, Q, RO, S, sx, sr, so, sro, n, eps, quantize,
-                         HAS_RES: tl.constexpr, LAYER: tl.constexpr, BLOCK: tl.constexpr, E4M3: tl.constexpr,
-                         GDC: tl.constexpr):
-        gdc_enter(GDC)
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
+    @triton.jit
+    def norm_piece_in(X, R, RO, row, sx, sr, sro, cols, n, HAS_RES: tl.constexpr):
+        """Columns `cols` of one row's x (+ residual, written to RO) in the activation dtype (0 past n)."""
         mask = cols < n
         x = tl.load(X + row * sx + cols, mask=mask, other=0.0)
-        dt = x.dtype
-        xf = x.to(tl.float32)
         if HAS_RES:
             r = tl.load(R + row * sr + cols, mask=mask, other=0.0)
-            x = (xf + r.to(tl.float32)).to(dt)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
             tl.store(RO + row * sro + cols, x, mask=mask)
-            xf = x.to(tl.float32)
+        return x
+
+    @triton.jit
+    def norm_piece_out(x, W, B, cols, n, mean, rstd, LAYER: tl.constexpr):
+        """The normalised columns `cols` of x, in its dtype: torch's LayerNorm ((x - mean) rstd w + b
+        in fp32, rounded once) or Qwen3RMSNorm (x rstd rounded, then times w)."""
+        mask = cols < n
+        xf = x.to(tl.float32)
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-        if LAYER:                            # torch's LayerNorm: (x - mean) rstd w + b in fp32, rounded once
-            d = tl.where(mask, xf - tl.sum(xf, 0) / n, 0.0)
-            rstd = tl.rsqrt(tl.sum(d * d, 0) / n + eps)
-            out = (d * rstd * w + tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)).to(dt)
-        else:                                # Qwen3RMSNorm: normalised, rounded, then times w
-            var = tl.sum(xf * xf, 0) / n
-            out = ((xf * tl.rsqrt(var + eps)).to(dt).to(tl.float32) * w).to(dt)
+        if LAYER:
+            b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+            return (tl.where(mask, xf - mean, 0.0) * rstd * w + b).to(x.dtype)
+        return ((xf * rstd).to(x.dtype).to(tl.float32) * w).to(x.dtype)
+
+    @triton.jit(do_not_specialize=["quantize"])
+    def _add_norm_kernel(X, R, W, B, Y, Q, RO, S, sx, sr, so, sro, n, eps, quantize,
+                         HAS_RES: tl.constexpr, LAYER: tl.constexpr, BLOCK: tl.constexpr, B1: tl.constexpr,
+                         E4M3: tl.constexpr, GDC: tl.constexpr):
+        """One row, held as two power-of-two pieces of BLOCK and B1 columns (`norm_pieces`)."""
+        gdc_enter(GDC)
+        row = tl.program_id(0)
+        c0 = tl.arange(0, BLOCK)
+        x0 = norm_piece_in(X, R, RO, row, sx, sr, sro, c0, n, HAS_RES)
+        total = tl.sum(x0.to(tl.float32), 0)
+        if B1 > 0:
+            c1 = BLOCK + tl.arange(0, B1)
+            x1 = norm_piece_in(X, R, RO, row, sx, sr, sro, c1, n, HAS_RES)
+            total += tl.sum(x1.to(tl.float32), 0)
+        mean = total / n if LAYER else 0.0
+        d0 = tl.where(c0 < n, x0.to(tl.float32) - mean, 0.0)
+        sq = tl.sum(d0 * d0, 0)
+        if B1 > 0:
+            d1 = tl.where(c1 < n, x1.to(tl.float32) - mean, 0.0)
+            sq += tl.sum(d1 * d1, 0)
+        rstd = tl.rsqrt(sq / n + eps)
+        y0 = norm_piece_out(x0, W, B, c0, n, mean, rstd, LAYER)
+        if B1 > 0:
+            y1 = norm_piece_out(x1, W, B, c1, n, mean, rstd, LAYER)
         if quantize != 0:                    # e4m3 into Q, row scales into S (a runtime flag: see add_rms_norm)
-            quantize_store(Q, S, row, so, cols, mask, out.to(tl.float32), E4M3)
+            amax = tl.max(tl.abs(y0.to(tl.float32)), 0)
+            if B1 > 0:
+                amax = tl.maximum(amax, tl.max(tl.abs(y1.to(tl.float32)), 0))
+            scale = row_scale(amax, E4M3)
+            tl.store(S + row, scale)
+            inv = tl.math.div_rn(1.0, scale)
+            tl.store(Q + row * so + c0, divide_rn(y0.to(tl.float32), scale, inv).to(Q.dtype.element_ty), mask=c0 < n)
+            if B1 > 0:
+                tl.store(Q + row * so + c1, divide_rn(y1.to(tl.float32), scale, inv).to(Q.dtype.element_ty),
+                         mask=c1 < n)
         else:
-            tl.store(Y + row * so + cols, out, mask=mask)
+            tl.store(Y + row * so + c0, y0, mask=c0 < n)
+            if B1 > 0:
+                tl.store(Y + row * so + c1, y1, mask=c1 < n)
 
     @triton.jit
     def _qk_norm_rope_write_kernel(QKV, QO, KC, VC, QW, KW, START, DELTA, INV_FREQ, COS, SIN,
@@ -349,11 +383,25 @@ def _add_norm(x, weight, bias, eps, residual, quantize):
         y = torch.empty(m, n, dtype=x2.dtype, device=x.device)
     res_out = torch.empty_like(x2) if residual is not None else x2
     r2 = _rows(residual) if residual is not None else x2
+    b0, b1 = norm_pieces(n)
     _add_norm_kernel[(m,)](
         x2, r2, weight, weight if bias is None else bias, y, q, res_out, scale, x2.stride(0), r2.stride(0), n,
         res_out.stride(0), n, eps, int(quantize), HAS_RES=residual is not None, LAYER=bias is not None,
-        BLOCK=triton.next_power_of_2(n), E4M3=E4M3_MAX, num_warps=8 if n >= 4096 else 4, **launch_args(x2))
+        BLOCK=b0, B1=b1, E4M3=E4M3_MAX, num_warps=NORM_WARPS if n >= 4096 else 4, **launch_args(x2))
     return res_out.view(x.shape), ((q, scale) if quantize else y.view(x.shape))
+
+
+# warps of a norm's program for rows of 4,096 columns or more (4 below). H200, 2026-12-02, the 32B
+# prefill's residual add + RMSNorm over 4,623 x 5,120 in two pieces: 57 us quantised (4 warps 53;
+# the one 8,192 block before 65); the decode step (one row) was measured with 8 only.
+NORM_WARPS = 8
+
+
+def norm_pieces(n: int) -> tuple[int, int]:
+    """A norm's row of n columns as two power-of-two pieces, the second 0 or rounded up
+    (5,120 -> 4,096 + 1,024; 1,152 -> 1,024 + 128; 300 -> 256 + 64)."""
+    b0 = 1 << (n.bit_length() - 1)
+    return b0, (1 << (n - b0 - 1).bit_length()) if n > b0 else 0
 
 
 _unwritten_outputs: dict[tuple[str, torch.dtype], torch.Tensor] = {}

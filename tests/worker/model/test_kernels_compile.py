@@ -35,10 +35,11 @@ def compiled(fn, pointers: dict[str, str], constants: dict, warps: int = 4, stag
 
 def _cases():
     bf, f8, f32, i64 = "*bf16", "*fp8e4nv", "*fp32", "*i64"
-    norm = dict(HAS_RES=True, LAYER=False, BLOCK=8192, E4M3=448.0, GDC=True)
+    norm = dict(HAS_RES=True, LAYER=False, BLOCK=4096, B1=1024, E4M3=448.0, GDC=True)
     for name, changes in [("add_rms_norm, plain or quantised", {}), ("add_rms_norm, first layer", dict(HAS_RES=False)),
-                          ("add_layer_norm (vision, 1,152 wide)", dict(LAYER=True, BLOCK=2048)),
-                          ("add_layer_norm, no residual", dict(HAS_RES=False, LAYER=True, BLOCK=2048))]:
+                          ("add_rms_norm, one piece", dict(B1=0)),
+                          ("add_layer_norm (vision, 1,152 wide)", dict(LAYER=True, BLOCK=1024, B1=128)),
+                          ("add_layer_norm, no residual", dict(HAS_RES=False, LAYER=True, BLOCK=1024, B1=128))]:
         yield (name, fused_ops._add_norm_kernel,
                dict(X=bf, R=bf, W=bf, B=bf, Y=bf, Q=f8, RO=bf, S=f32), {**norm, **changes}, 8)
     for table in (False, True):
@@ -120,6 +121,12 @@ def test_a_quantised_activations_row_is_three_pieces_that_cover_it_with_a_power_
     for n in range(1, 40000, 7):              # Triton launches only a power of two of warps
         warps = fused_ops.row_warps(sum(fused_ops.row_pieces(n)), True)
         assert warps in (4, 8, 16, 32), (n, warps)
+
+
+def test_a_norms_row_is_two_pieces_that_cover_it():
+    for n, pieces in [(5120, (4096, 1024)), (1152, (1024, 128)), (1536, (1024, 512)), (4096, (4096, 0)), (300, (256, 64)),
+                      (1, (1, 0))]:
+        assert fused_ops.norm_pieces(n) == pieces and n <= sum(pieces) < 2 * n
 
 
 def test_every_launched_kernel_is_compiled_here():
