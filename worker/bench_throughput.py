@@ -303,9 +303,20 @@ def demo_runtimes(checkpoint: str, head: str, rows: int):
     for rt in (base, spec):
         rt.enable_graphs(max_rows=rows, capacity=1024)
     spec.calibrate_speculation()
-    gc.collect()        # what the loaded objects are to the collector in a serving process
-    gc.freeze()         # (`process.load_and_freeze`): no collection walks them during the timed runs
     return base, spec
+
+
+@contextlib.contextmanager
+def frozen_collector():
+    """Within: the objects alive on entry out of the garbage collector's reach, as a serving
+    process has its loaded objects (`process.load_and_freeze`), so no collection walks them
+    during timed runs; given back to it on exit."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def demo_speed(t: Table, checkpoint: str, head: str, n: int = 16) -> list[str]:
@@ -323,7 +334,8 @@ def demo_speed(t: Table, checkpoint: str, head: str, n: int = 16) -> list[str]:
         reqs = demo_requests(range(92_000_000, 92_000_000 + n), k=k, temperature=temperature)
         for rt in (base, spec):
             rt.run(reqs)                    # untimed: graphs captured, the policy's acceptance learnt
-        (mb, rb), (ms, rs) = timed_runs([base, spec], reqs, DEMO_REPS)
+        with frozen_collector():
+            (mb, rb), (ms, rs) = timed_runs([base, spec], reqs, DEMO_REPS)
         same = sum(a.token_ids == b.token_ids for a, b in zip(rb, rs))
         ratio = mb.wall_s / ms.wall_s
         text = (f"{ratio:.2f}x ({ms.spec['speculated_step_fraction']:.0%} of steps speculated, mean acceptance "

@@ -120,3 +120,19 @@ def test_runtimes_compared_side_by_side_are_timed_in_turn():
     (a, ra), (b, rb) = timed_runs([Runtime("a"), Runtime("b")], [object(), object()], 3)
     assert order == ["a", "b"] * 3
     assert a.scenes == b.scenes == 2 and len(ra) == len(rb) == 2 and a.prefill_ms == 4.0
+
+
+def test_timed_demo_runs_keep_the_collector_off_the_loaded_objects_and_give_them_back():
+    """The demo speed rows time ~120 ms host-bound batches: a full collection walking the loaded
+    runtimes mid-run moved a row by 30-40 ms. A serving process freezes them (`process.load_and_freeze`);
+    the bench does so around its timed runs only, and unfreezes after (a test process, or a bench
+    loading runtime after runtime, must not keep every object alive then)."""
+    import gc
+
+    from worker.bench_throughput import frozen_collector
+
+    before = gc.get_freeze_count()
+    kept = [[i] for i in range(1000)]                  # objects alive on entry
+    with frozen_collector():
+        assert gc.get_freeze_count() >= before + len(kept)
+    assert gc.get_freeze_count() == 0
