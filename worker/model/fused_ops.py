@@ -116,14 +116,18 @@ if triton is not None:
         return tl.where(tl.abs(x) >= 7.888609052210118e-31, tl.fma(tl.fma(-q, scale, x), inv, q), q)
 
     @triton.jit
-    def quantize_store(Q, S, row, sq, cols, mask, yf, E4M3: tl.constexpr):
-        """Row `row` of yf (fp32 values of the activation dtype) as e4m3 into Q with its scale
-        into S: `fp8.quantize_rows`' arithmetic (largest magnitude to E4M3, the values divided by
-        the scale as IEEE division rounds)."""
-        scale = row_scale(tl.max(tl.where(mask, tl.abs(yf), 0.0), 0), E4M3)
+    def store_row_scale(S, row, amax, E4M3: tl.constexpr):
+        """A row's e4m3 scale from its largest magnitude (`fp8.quantize_rows`' arithmetic), stored at
+        S + row -> (scale, div_rn(1, scale)) for `store_e4m3`."""
+        scale = row_scale(amax, E4M3)
         tl.store(S + row, scale)
-        inv = tl.math.div_rn(1.0, scale)
-        tl.store(Q + row * sq + cols, divide_rn(yf, scale, inv).to(Q.dtype.element_ty), mask=mask)
+        return scale, tl.math.div_rn(1.0, scale)
+
+    @triton.jit
+    def store_e4m3(Q, cols, n, y, scale, inv):
+        """Columns `cols` (< n) of a row's values y (of the activation dtype) as e4m3 at Q + cols,
+        divided by the row's scale as IEEE division rounds (`fp8.quantize_rows`' arithmetic)."""
+        tl.store(Q + cols, divide_rn(y.to(tl.float32), scale, inv).to(Q.dtype.element_ty), mask=cols < n)
 
     @triton.jit
     def norm_piece_in(X, R, RO, row, sx, sr, sro, cols, n, HAS_RES: tl.constexpr):
@@ -176,13 +180,10 @@ if triton is not None:
             amax = tl.max(tl.abs(y0.to(tl.float32)), 0)
             if B1 > 0:
                 amax = tl.maximum(amax, tl.max(tl.abs(y1.to(tl.float32)), 0))
-            scale = row_scale(amax, E4M3)
-            tl.store(S + row, scale)
-            inv = tl.math.div_rn(1.0, scale)
-            tl.store(Q + row * so + c0, divide_rn(y0.to(tl.float32), scale, inv).to(Q.dtype.element_ty), mask=c0 < n)
+            scale, inv = store_row_scale(S, row, amax, E4M3)
+            store_e4m3(Q + row * so, c0, n, y0, scale, inv)
             if B1 > 0:
-                tl.store(Q + row * so + c1, divide_rn(y1.to(tl.float32), scale, inv).to(Q.dtype.element_ty),
-                         mask=c1 < n)
+                store_e4m3(Q + row * so, c1, n, y1, scale, inv)
         else:
             tl.store(Y + row * so + c0, y0, mask=c0 < n)
             if B1 > 0:
@@ -300,26 +301,21 @@ if triton is not None:
                 c2 = BLOCK + B1 + tl.arange(0, B2)
                 y2 = activation_block(x_row, c2, n, GELU, LIBDEVICE).to(X.dtype.element_ty)
                 amax = tl.maximum(amax, tl.max(tl.abs(y2.to(tl.float32)), 0))
-            scale = row_scale(amax, E4M3)
-            tl.store(S + row, scale)
-            inv = tl.math.div_rn(1.0, scale)
-            tl.store(q_row + c0, divide_rn(y0.to(tl.float32), scale, inv).to(Q.dtype.element_ty), mask=c0 < n)
+            scale, inv = store_row_scale(S, row, amax, E4M3)
+            store_e4m3(q_row, c0, n, y0, scale, inv)
             if B1 > 0:
-                tl.store(q_row + c1, divide_rn(y1.to(tl.float32), scale, inv).to(Q.dtype.element_ty), mask=c1 < n)
+                store_e4m3(q_row, c1, n, y1, scale, inv)
             if B2 > 0:
-                tl.store(q_row + c2, divide_rn(y2.to(tl.float32), scale, inv).to(Q.dtype.element_ty), mask=c2 < n)
+                store_e4m3(q_row, c2, n, y2, scale, inv)
         else:
             amax = tl.zeros((BLOCK,), dtype=tl.float32)
             for k0 in range(0, n, BLOCK):
                 cols = k0 + tl.arange(0, BLOCK)
                 amax = tl.maximum(amax, tl.abs(activation_block(x_row, cols, n, GELU, LIBDEVICE)))
-            scale = row_scale(tl.max(amax, 0), E4M3)
-            tl.store(S + row, scale)
-            inv = tl.math.div_rn(1.0, scale)
+            scale, inv = store_row_scale(S, row, tl.max(amax, 0), E4M3)
             for k0 in range(0, n, BLOCK):
                 cols = k0 + tl.arange(0, BLOCK)
-                y = activation_block(x_row, cols, n, GELU, LIBDEVICE)
-                tl.store(q_row + cols, divide_rn(y, scale, inv).to(Q.dtype.element_ty), mask=cols < n)
+                store_e4m3(q_row, cols, n, activation_block(x_row, cols, n, GELU, LIBDEVICE), scale, inv)
 
     @triton.jit
     def _vision_rope_kernel(QKV, Q, K, COS, SIN, s_row, s_cs, H: tl.constexpr, D: tl.constexpr,
