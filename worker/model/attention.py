@@ -11,9 +11,11 @@ On CUDA this is a split-K ("flash-decoding") Triton kernel: grid (rows x KV head
 query tiles); each program loads the G*T queries of one KV head (grouped-query heads share their
 K/V, read once), streams its split of live keys with an online softmax, and writes a partial
 output and log-sum-exp; a second kernel merges the splits. Launches with about one program per
-multiprocessor or more (rows x KV heads) do not split and write the output directly. Splits past a row's live length do no
-work, so a CUDA graph captured at the cache capacity still reads only live keys. Tiles of more
-than 16 query rows (verify(8), the draft's block) use fewer, longer splits (`split_plan`).
+multiprocessor or more (rows x KV heads) do not split and write the output directly (the expert's
+several query tiles per KV head split only where one wave holds 4 splits or more: batch 1 and 2).
+Splits past a row's live length do no work, so a CUDA graph captured at the cache capacity still
+reads only live keys. Tiles of more than 16 query rows (verify(8), the draft's block) use fewer,
+longer splits (`split_plan`).
 
 Elsewhere (CPU, tests) `attend_reference` is the masked matmul over the same keys.
 
@@ -163,9 +165,13 @@ if triton is not None:
 
 _SMS = 132                      # an H100/H200's multiprocessors
 # keys per step where the queries of a KV head span several tiles (the expert: 8 rows, 64 tokens,
-# 2 heads per KV head), 2-byte K/V: 57.9 against 62.2 us with 64 keys (H200, 2026-12-01; the
-# expert loop 98.4-98.8 against 100.1-111.9 ms)
+# 2 heads per KV head), 2-byte K/V, unsplit: 57.9 against 62.2 us with 64 keys (H200, 2026-12-01;
+# the expert loop 98.4-98.8 against 100.1-111.9 ms)
 TILED_BLOCK_N = 128
+# the expert's tiles split their keys only where that gives each program of one wave at least this
+# many splits' share: H200, 2026-12-02, 4,751 live keys of 8,192, us unsplit / split (64 keys a step):
+# 1 row 59.0 / 29.1 (8 splits), 2 rows 59.9 / 44.9 (4), 3 rows 60.3 / 72.8 (2), 8 rows 69.2 / 120.4 (2)
+MIN_TILED_SPLITS = 4
 _MAX_SPLITS = 64
 
 
@@ -173,6 +179,13 @@ WIDE_SPLIT_KEYS = 1024          # fewest keys per split for tiles of more than 1
                                 # draft's block): their fp32 partials are 8x larger; at batch 1 the verify
                                 # step measured 18.10 ms with 8 splits against 18.68 with 16 and 18.94
                                 # with 33 (H200, 2026-12-01)
+
+
+def tiled_splits(programs: int) -> int:
+    """Key splits for `programs` multi-tile programs (the expert's): as many as one wave holds, or
+    none where that is under MIN_TILED_SPLITS."""
+    splits = _SMS // programs
+    return splits if splits >= MIN_TILED_SPLITS else 1
 
 
 def split_plan(rows: int, kv_heads: int, m_tiles: int, capacity: int, block_n: int,
@@ -184,8 +197,8 @@ def split_plan(rows: int, kv_heads: int, m_tiles: int, capacity: int, block_n: i
     least WIDE_SPLIT_KEYS keys where a tile holds more than 16 query rows."""
     programs = rows * kv_heads * m_tiles
     want = 1 if programs >= _SMS - 8 else -(-2 * _SMS // programs)
-    if m_tiles >= 2:                     # several query tiles per KV head (the expert): fastest unsplit
-        want = 1
+    if m_tiles >= 2:                     # several query tiles per KV head (the expert): one wave at most
+        want = tiled_splits(programs)
     if query_rows > 16:
         want = min(want, max(1, capacity // WIDE_SPLIT_KEYS))
     splits = max(1, min(want, _MAX_SPLITS, -(-capacity // block_n)))
@@ -218,8 +231,9 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if block_m is None:
         block_m = 16 if rows_m <= 16 else 32 if rows_m <= 32 else 64
     m_tiles = -(-rows_m // block_m)
-    if block_n is None:
-        block_n = TILED_BLOCK_N if m_tiles >= 2 and q.element_size() == 2 else 64
+    if block_n is None:                               # split tiles step 64 keys (faster split, measured)
+        tiled = m_tiles >= 2 and q.element_size() == 2 and tiled_splits(b * hkv * m_tiles) == 1
+        block_n = TILED_BLOCK_N if tiled else 64
     if splits is None:
         size, splits = split_plan(b, hkv, m_tiles, cap, block_n, min(rows_m, block_m))
     else:

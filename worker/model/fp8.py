@@ -152,9 +152,12 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 def fp8_product(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """xq (M, K) e4m3 rows with scales x_scale (M, 1) times weight (N, K) e4m3 with scale (N,)
-    -> (..., N) in like's dtype; like (..., any) has M rows."""
-    y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale[None, :], bias=bias, use_fast_accum=FAST_ACCUM,
-                         out_dtype=like.dtype if like.dtype != torch.float32 else torch.bfloat16)
+    -> (..., N) in like's dtype; like (..., any) has M rows. CUDA's kernel writes bf16 for fp32 rows
+    and takes a bias only in its output dtype."""
+    out_dtype = like.dtype if like.dtype != torch.float32 else torch.bfloat16
+    y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale[None, :],
+                         bias=None if bias is None else bias.to(out_dtype), use_fast_accum=FAST_ACCUM,
+                         out_dtype=out_dtype)
     return y.to(like.dtype).reshape(*like.shape[:-1], weight.shape[0])
 
 

@@ -78,6 +78,10 @@ PROGRAMS_PER_SM = 8                    # split K until about this many programs 
                                        # tiles stream twice the bytes; the H200 sweep of 2026-12-01 measured
                                        # the 32B qkv and gate/up products fastest unsplit at 1-8 rows)
 MIN_STEPS_PER_SPLIT = 4                # ... while each split still streams this many BLOCK_K steps
+L2_PARTIAL_BYTES = 8 << 20             # fp32 partials this small (written and read once) stay in the L2 cache:
+                                       # allowed however they compare to the weight. H200, 2026-12-02, the
+                                       # expert's 64-row products (K 1,536-6,144), us unsplit / split: qkv
+                                       # 16.3 / 9.2 (3), o 21.0 / 8.1 (4), down 19.8 (3) / 11.1 (8)
 MAX_SPLITS = 16
 REDUCE_BLOCK = 1024                    # output columns per program of the split-sum kernel
 SMS_WITHOUT_CUDA = 132                 # the interpreter's stand-in for a device's multiprocessor count
@@ -115,13 +119,14 @@ def _multiprocessors(device: torch.device) -> int:
 
 def split_count(rows: int, n: int, k: int, config: LaunchConfig, sms: int, weight_bytes: int = 1) -> int:
     """How many K splits: enough programs for PROGRAMS_PER_SM per multiprocessor (one for 2-byte
-    weights), each split at
-    least MIN_STEPS_PER_SPLIT steps of BLOCK_K, at most MAX_SPLITS, and the fp32 partials
-    (written, then read back: 8 bytes x splits x rows x N) under a quarter of the weight's N x K."""
+    weights), each split at least MIN_STEPS_PER_SPLIT steps of BLOCK_K, at most MAX_SPLITS, and
+    the fp32 partials (written, then read back: 8 bytes x splits x rows x N) under a quarter of
+    the weight's N x K or under L2_PARTIAL_BYTES."""
     tiles = -(-rows // config.block_m) * -(-n // config.block_n)
     want = -(-(PROGRAMS_PER_SM if weight_bytes == 1 else 1) * sms // tiles)
     steps = -(-k // config.block_k)
-    return max(1, min(want, steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS, k // (32 * rows)))
+    partials = max(k // (32 * rows), L2_PARTIAL_BYTES // (8 * rows * n))
+    return max(1, min(want, steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS, partials))
 
 
 def stream_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,

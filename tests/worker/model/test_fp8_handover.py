@@ -217,3 +217,25 @@ def test_row_scales_are_the_largest_magnitude_times_the_reciprocal_of_e4m3s_larg
     product = x.float() * torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)
     assert torch.equal(scale, product.clamp(min=1e-12))
     assert not torch.equal(product, x.float() / E4M3_MAX)     # the two forms differ on these values
+
+
+def test_an_fp8_product_of_fp32_rows_passes_its_bias_in_the_output_dtype(monkeypatch):
+    """CUDA's `_scaled_mm` writes bf16 for fp32 rows and refuses a bias in another dtype ("Bias
+    must be BFloat16 or Half"): the GPU kernel check's fp32 fp8 prefill (vision products with
+    bias) stopped there. The CPU's kernel accepts it, so its CUDA rule stands in here."""
+    import torch
+
+    import worker.model.fp8 as fp8
+
+    real = torch._scaled_mm
+
+    def cuda_rule(a, b, *, bias=None, out_dtype=None, **kw):
+        assert bias is None or bias.dtype == out_dtype, f"bias {bias.dtype}, output {out_dtype}"
+        return real(a, b, bias=bias, out_dtype=out_dtype, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", cuda_rule)
+    w8, scale = fp8.quantize_weight(torch.randn(32, 64))
+    x = torch.randn(16, 64)
+    xq, xs = fp8.quantize_rows_reference(x)
+    y = fp8.fp8_product(xq, xs, w8, scale, torch.randn(32), x)
+    assert y.dtype == torch.float32 and y.shape == (16, 32)

@@ -65,7 +65,8 @@ def _cases():
                    dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=split, EVEN_K=True,
                         HAS_SCALE=w == f8, HAS_BIAS=False, DOT_FP32=False, SWAP_AB=c.swap_ab and c.block_m > 1,
                         GDC=True), (c.warps, c.stages))
-    for t, block_m, block_n, direct in [(1, 16, 64, False), (8, 64, 64, False), (64, 64, attention.TILED_BLOCK_N, True)]:
+    for t, block_m, block_n, direct in [(1, 16, 64, False), (8, 64, 64, False), (64, 64, attention.TILED_BLOCK_N, True),
+                                        (64, 64, 64, False)]:     # the expert at batch 1-2: split tiles
         yield (f"attention split, T={t}", attention._split_kernel,
                dict(Q=bf, K=bf, V=bf, KVLEN=i64, OPART=f32, LPART=f32, OUT=bf),
                dict(T=t, G=8, HKV=8, D=128, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=t == 8, DIRECT=direct, GDC=True),

@@ -83,6 +83,20 @@ def test_wide_query_tiles_split_keys_fewer_and_longer():
     assert split_plan(32, 8, 1, 4608, 64, query_rows=64) == (4608, 1)
 
 
+def test_the_experts_tiles_split_keys_only_where_one_wave_holds_four_splits():
+    """The expert's attention (64 tokens x 2 heads per KV head: two 64-row tiles) at batch 1 and 2
+    ran 16 and 32 programs on 132 multiprocessors unsplit (59 us; split 29 and 45 us on the H200):
+    it splits there (64-key steps), and stays unsplit from batch 3 on, where two splits lost."""
+    from worker.model.attention import MIN_TILED_SPLITS, split_plan, tiled_splits
+
+    assert split_plan(1, 8, 2, 8192, 64, query_rows=64) == (1024, 8)
+    assert split_plan(2, 8, 2, 8192, 64, query_rows=64) == (2048, 4)
+    assert split_plan(1, 8, 2, 4608, 64, query_rows=64) == (1152, 4)      # >= WIDE_SPLIT_KEYS a split
+    for rows in (3, 4, 8, 16):
+        assert split_plan(rows, 8, 2, 8192, 128, query_rows=64) == (8192, 1)
+    assert tiled_splits(16) == 8 and tiled_splits(33) == MIN_TILED_SPLITS and tiled_splits(48) == 1
+
+
 def test_kernels_launch_plainly_off_hopper():
     """Programmatic dependent launch only where kernels are compiled for a GPU (never on the CPU
     or under Triton's interpreter)."""

@@ -162,3 +162,18 @@ def test_one_row_streams_a_kibibyte_of_each_weight_row_per_step(weight_bytes):
     c = launch_config(1, weight_bytes)
     assert c.block_m == 1 and c.block_n == 16 and c.block_k * weight_bytes == 1024
     assert launch_config(8, weight_bytes).block_m == 16          # more rows: tensor-core tiles
+
+
+def test_small_weights_split_k_while_their_partials_stay_in_l2():
+    """The expert's 64-row products (K 1,536-6,144) ran unsplit, their 128-wide tiles leaving most
+    multiprocessors idle (H200: qkv 16.3 us unsplit, 9.2 in 3 splits; o 21.0 / 8.1 in 4), because
+    the partials were bounded by a quarter of the weight alone; partials under L2_PARTIAL_BYTES are
+    allowed. The 32B layer's splits (partials bounded by the weight) stay as they were."""
+    from worker.model.stream_gemm import L2_PARTIAL_BYTES, launch_config, split_count
+
+    c = launch_config(64)
+    assert [split_count(64, n, k, c, 132) for n, k in ((4096, 1536), (1536, 2048), (12288, 1536), (1536, 6144))] \
+        == [3, 4, 1, 10]
+    assert [split_count(64, n, k, c, 132) for n, k in ((10240, 5120), (5120, 8192), (51200, 5120), (5120, 25600))] \
+        == [2, 4, 2, 12]
+    assert 8 * 64 * 1536 * 10 <= L2_PARTIAL_BYTES
