@@ -14,8 +14,8 @@ output and log-sum-exp; a second kernel merges the splits. Launches with about o
 multiprocessor or more (rows x KV heads) do not split and write the output directly (the expert's
 several query tiles per KV head split only where one wave holds 4 splits or more: batch 1 and 2).
 Splits past a row's live length do no work, so a CUDA graph captured at the cache capacity still
-reads only live keys. Tiles of more than 16 query rows (verify(8), the draft's block) use fewer,
-longer splits (`split_plan`).
+reads only live keys. Tiles of more than 16 query rows (verify(8), the draft's block) aim at one
+wave of programs, not two (`split_plan`). The merge kernel takes one query of one head a program.
 
 Elsewhere (CPU, tests) `attend_reference` is the masked matmul over the same keys.
 
@@ -140,27 +140,24 @@ if triton is not None:
     @triton.jit
     def _merge_kernel(OPART, LPART, KVLEN, OUT,
                       so_b, so_h, so_t, so_s, sl_b, sl_h, sl_t, sout_b, sout_t, sout_h,
-                      HQ: tl.constexpr, T: tl.constexpr, D: tl.constexpr, SPLIT,
-                      S_MAX: tl.constexpr, TB: tl.constexpr, GDC: tl.constexpr):
+                      HQ: tl.constexpr, D: tl.constexpr, SPLIT, S_MAX: tl.constexpr, GDC: tl.constexpr):
         gdc_enter(GDC)
-        pid = tl.program_id(0)                   # (b, hq); TB of the T queries in turn
-        hq = pid % HQ
-        b = pid // HQ
-        t0 = tl.program_id(1) * TB
+        pid = tl.program_id(0)                   # (b, hq); one query t per program: its splits' loads
+        hq = pid % HQ                            # are all a program waits for (8 queries in turn took
+        b = pid // HQ                            # 6.2 us against 2.5, verify(8) at batch 1, H200)
+        t = tl.program_id(1)
         kv_len = tl.load(KVLEN + b).to(tl.int32)
         used = (kv_len + SPLIT - 1) // SPLIT
         offs_s = tl.arange(0, S_MAX)
         s_valid = offs_s < used
         offs_d = tl.arange(0, D)
-        for i in tl.static_range(TB):
-            t = t0 + i
-            lse = tl.load(LPART + b * sl_b + hq * sl_h + t * sl_t + offs_s, mask=s_valid, other=float("-inf"))
-            m = tl.max(lse, 0)
-            w = tl.where(s_valid, tl.exp2(lse - m), 0.0)
-            o = tl.load(OPART + b * so_b + hq * so_h + t * so_t + offs_s[:, None] * so_s + offs_d[None, :],
-                        mask=s_valid[:, None] & (offs_d[None, :] < D), other=0.0)
-            out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-            tl.store(OUT + b * sout_b + t * sout_t + hq * sout_h + offs_d, out.to(OUT.dtype.element_ty))
+        lse = tl.load(LPART + b * sl_b + hq * sl_h + t * sl_t + offs_s, mask=s_valid, other=float("-inf"))
+        m = tl.max(lse, 0)
+        w = tl.where(s_valid, tl.exp2(lse - m), 0.0)
+        o = tl.load(OPART + b * so_b + hq * so_h + t * so_t + offs_s[:, None] * so_s + offs_d[None, :],
+                    mask=s_valid[:, None] & (offs_d[None, :] < D), other=0.0)
+        out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+        tl.store(OUT + b * sout_b + t * sout_t + hq * sout_h + offs_d, out.to(OUT.dtype.element_ty))
 
 
 _SMS = 132                      # an H100/H200's multiprocessors
@@ -175,10 +172,12 @@ MIN_TILED_SPLITS = 4
 _MAX_SPLITS = 64
 
 
-WIDE_SPLIT_KEYS = 1024          # fewest keys per split for tiles of more than 16 query rows (verify(8), the
-                                # draft's block): their fp32 partials are 8x larger; at batch 1 the verify
-                                # step measured 18.10 ms with 8 splits against 18.68 with 16 and 18.94
-                                # with 33 (H200, 2026-12-01)
+WIDE_SPLIT_KEYS = 256           # fewest keys per split for tiles of more than 16 query rows (verify(8), the
+                                # draft's block, the expert), which aim at one wave, not two: their fp32
+                                # partials are 8x a decode tile's. Verify(8) at batch 1, 4,864 columns,
+                                # H200 2026-12-02, us (merge one query a program): 4 splits 20.3, 8 14.2,
+                                # 16 12.0 (and 24.2 as shipped before: 4 splits, 8 queries a merge program);
+                                # batch 4: 4 splits 31.3, 8 32.8, 16 37.0
 
 
 def tiled_splits(programs: int) -> int:
@@ -193,14 +192,17 @@ def split_plan(rows: int, kv_heads: int, m_tiles: int, capacity: int, block_n: i
     """-> (split size in keys, number of splits) for a launch over `capacity` cache columns.
 
     About one program per multiprocessor or more without splitting: one split, no merge kernel.
-    Fewer programs than that: split the keys so that about 2 waves of programs run, each split at
-    least WIDE_SPLIT_KEYS keys where a tile holds more than 16 query rows."""
+    Fewer programs than that: split the keys so that about 2 waves of programs run, or one wave
+    of splits of at least WIDE_SPLIT_KEYS keys where a tile holds more than 16 query rows."""
     programs = rows * kv_heads * m_tiles
-    want = 1 if programs >= _SMS - 8 else -(-2 * _SMS // programs)
+    if programs >= _SMS - 8:
+        want = 1
+    elif query_rows > 16:                # wide tiles: one wave of programs
+        want = min(_SMS // programs, max(1, capacity // WIDE_SPLIT_KEYS))
+    else:
+        want = -(-2 * _SMS // programs)
     if m_tiles >= 2:                     # several query tiles per KV head (the expert): one wave at most
-        want = tiled_splits(programs)
-    if query_rows > 16:
-        want = min(want, max(1, capacity // WIDE_SPLIT_KEYS))
+        want = min(want, tiled_splits(programs))
     splits = max(1, min(want, _MAX_SPLITS, -(-capacity // block_n)))
     size = -(-(-(-capacity // splits)) // block_n) * block_n
     return size, -(-capacity // size)
@@ -260,11 +262,9 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_stages=num_stages or (3 if (block_m >= 64 or direct) and q.element_size() == 2 else 2), **launch_args(q))
     if direct:
         return out
-    tb = 8 if t % 8 == 0 else 1
-    _merge_kernel[(b * hq, t // tb)](
+    _merge_kernel[(b * hq, t)](
         opart, lpart, kv_len, out,
         opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3),
         lpart.stride(0), lpart.stride(1), lpart.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        HQ=hq, T=t, D=d, SPLIT=size, S_MAX=max(16, triton.next_power_of_2(splits)), TB=tb, num_warps=4,
-        **launch_args(q))
+        HQ=hq, D=d, SPLIT=size, S_MAX=max(16, triton.next_power_of_2(splits)), num_warps=4, **launch_args(q))
     return out

@@ -72,7 +72,7 @@ def _cases():
                dict(T=t, G=8, HKV=8, D=128, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=t == 8, DIRECT=direct, GDC=True),
                (4, 3 if block_m >= 64 or direct else 2))
     yield ("attention merge", attention._merge_kernel, dict(OPART=f32, LPART=f32, KVLEN=i64, OUT=bf),
-           dict(HQ=64, T=8, D=128, S_MAX=16, TB=8, GDC=True), 4)
+           dict(HQ=64, D=128, S_MAX=16, GDC=True), 4)
 
 
 CASES = [c if len(c) == 6 else (*c, {}) for c in _cases()]     # (..., compile options)
