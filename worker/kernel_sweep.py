@@ -31,29 +31,24 @@ def run(dev, gen, fp8_only: bool, rows: str | None, prefill: bool) -> None:
 
 
 def sweep_expert_attention(dev, gen) -> None:
-    """Times the expert's attention (8 rows, T = 64, 16/8 heads, 4400 live keys) under several
-    launch configurations (GPU only; prints a table, chooses nothing)."""
+    """Times the expert's attention (T = 64, 16/8 heads, 4,751 live keys of 8,192) at 1, 2 and 8 rows
+    under the split plan and fixed split counts, 64 and 128 keys a step, in CUDA graphs (GPU only;
+    prints a table, chooses nothing; `attention.tiled_splits` decided from it)."""
     import triton.testing
 
-    b, t, hq, hkv, d, cap = 8, 64, 16, 8, 128, 4608
-    q = torch.randn(b, t, hq, d, device=dev, generator=gen).to(torch.bfloat16)
-    k = torch.randn(b, hkv, cap, d, device=dev, generator=gen).to(torch.bfloat16)
-    v = torch.randn_like(k)
-    live = torch.full((b,), 4464, device=dev)
-    flops = 4 * b * hq * t * 4464 * d
-    print("| expert attention config | us | TFLOP/s |\n|---|---|---|")
-    configs = [(128, bn, st, sp) for bn in (64, 128) for st in (2, 3) for sp in (None, 1, 2, 3)]
-    configs += [(64, bn, 3, sp) for bn in (64, 128) for sp in (1, 2)]
-    for block_m, block_n, stages, splits in configs:
-        name = f"block_m {block_m}, block_n {block_n}, stages {stages}, splits {splits or 'auto'}"
-        try:
-            ms = triton.testing.do_bench(lambda: cache_attention(q, k, v, live, False, block_n=block_n,
-                                                                 num_stages=stages, splits=splits, block_m=block_m),
-                                         warmup=20, rep=100, return_mode="median")
-        except Exception as e:          # a config over the shared-memory limit
-            print(f"| {name} | {type(e).__name__} | - |")
-            continue
-        print(f"| {name} | {ms * 1e3:.1f} | {flops / ms / 1e9:.0f} |", flush=True)
+    t, hq, hkv, d, cap, live_len = 64, 16, 8, 128, 8192, 4751
+    print("\n| expert attention | rows | keys a step | plan us | unsplit | 4 splits | 8 | 16 |\n" + "|---" * 8 + "|")
+    for rows in (1, 2, 8):
+        q = torch.randn(rows, t, hq, d, device=dev, generator=gen).to(torch.bfloat16)
+        k = torch.randn(rows, hkv, cap, d, device=dev, generator=gen).to(torch.bfloat16)
+        v = torch.randn_like(k)
+        live = torch.full((rows,), live_len, device=dev)
+        for block_n in (64, 128):
+            cells = []
+            for splits in (None, 1, 4, 8, 16):
+                fn = lambda sp=splits, bn=block_n: cache_attention(q, k, v, live, False, block_n=bn, splits=sp)  # noqa: E731
+                cells.append(f"{triton.testing.do_bench_cudagraph(fn, return_mode='median') * 1e3:.1f}")
+            print(f"| | {rows} | {block_n} | " + " | ".join(cells) + " |", flush=True)
 
 
 def sweep_decode_attention(dev, gen, bw: float) -> None:
@@ -68,7 +63,7 @@ def sweep_decode_attention(dev, gen, bw: float) -> None:
     cap, live_len = 8192, PREFILL_ROWS          # the worker's default row capacity; a 24-image prompt
     print(f"\n| decode attention (live {live_len} of {cap}, {hq}/{hkv} heads of {d}) | rows | T | K/V floor us "
           "| plan us | 8 splits | 16 | 32 | 64 |\n" + "|---" * 9 + "|")
-    for rows, t in ((1, 1), (1, 8), (16, 1), (16, 8)):
+    for rows, t in ((1, 1), (1, 8), (4, 8), (16, 1), (16, 8)):
         q = torch.randn(rows, t, hq, d, device=dev, generator=gen).to(torch.bfloat16)
         k = torch.randn(rows, hkv, cap, d, device=dev, generator=gen).to(torch.bfloat16)
         v = torch.randn_like(k)
