@@ -50,6 +50,7 @@ SHAPES = {
                         ("odd", 37, 300)]},
 }
 SHAPES["mid"] = SHAPES["tiny"]
+FP8_PREFILL_BOUND = 6e-2                  # the fp8 prefill's rows, both dtypes (see main)
 FP8_ROWS = (1, 8, 32, 128)                # rows of the fp8 weight-only checks (decode, verify, batches)
 
 
@@ -324,9 +325,12 @@ def main(argv: list[str] | None = None) -> int:
     model_shape = "tiny" if args.shape == "tiny" else "mid"
     for dtype in [] if args.fp8_only else dtypes:
         for name, err, mx in check_model(model_shape, dtype, dev, gen):
-            # an fp8 prefill quantises activations to 3 mantissa bits: a last-bit difference upstream
-            # moves a value across an e4m3 step, so it gets the bf16 operands' bound in fp32 too
-            ok = err <= (max(bound[dtype], bound[torch.bfloat16]) if name.startswith("fp8 prefill") else bound[dtype])
+            # an fp8 prefill quantises every product's input to e4m3 (3 mantissa bits: a step of 6.7-12.5%):
+            # a last-bit difference upstream moves some values a whole step and the difference grows
+            # layer by layer (tests/worker/model/test_fp8_vision_tower.py; H200, 2026-12-02: bf16
+            # 1.4-1.8e-2, fp32 2.1-2.8e-2, the vision tower's), so its rows get FP8_PREFILL_BOUND
+            # (half of e4m3's largest relative step) in either dtype: a wrong scale or layout is O(1)
+            ok = err <= (FP8_PREFILL_BOUND if name.startswith("fp8 prefill") else bound[dtype])
             failed += not ok
             print(f"| {name} | model {model_shape} | {str(dtype)[6:]} | {err:.2e} | {mx:.2e} | {'ok' if ok else 'FAIL'} |")
     if args.sweep and gpu:
