@@ -47,6 +47,24 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "multinode: starts its own 3-node local Kafka cluster")
 
 
+_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET")
+
+
+@pytest.fixture(autouse=True)
+def _triton_interpret_unchanged(request: pytest.FixtureRequest):
+    """A test that sets TRITON_INTERPRET in this process (importing `worker.kernel_check` on a
+    machine without a GPU does) makes every worker process started after it run its Triton kernels
+    interpreted: later service tests then time out far from the cause. Restore it and fail here."""
+    yield
+    if os.environ.get("TRITON_INTERPRET") != _TRITON_INTERPRET:
+        if _TRITON_INTERPRET is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = _TRITON_INTERPRET
+        pytest.fail(f"{request.node.nodeid} set TRITON_INTERPRET in the test process (an in-process import of "
+                    "worker.kernel_check?); run such code through tests/worker/model/interpreted.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if KAFKA_FIXTURES & set(getattr(item, "fixturenames", ())):
