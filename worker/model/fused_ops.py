@@ -393,11 +393,20 @@ def _add_norm(x, weight, bias, eps, residual, quantize):
 NORM_WARPS = 8
 
 
+def pow2_pieces(n: int, count: int) -> tuple[int, ...]:
+    """A row of n columns as `count` power-of-two pieces held in registers: n's highest powers of
+    two in turn, the last piece what is left rounded up (0 where nothing is left)."""
+    pieces, rest = [], n
+    for _ in range(count - 1):
+        piece = 1 << (rest.bit_length() - 1) if rest else 0
+        pieces.append(piece)
+        rest -= piece
+    return (*pieces, 1 << (rest - 1).bit_length() if rest else 0)
+
+
 def norm_pieces(n: int) -> tuple[int, int]:
-    """A norm's row of n columns as two power-of-two pieces, the second 0 or rounded up
-    (5,120 -> 4,096 + 1,024; 1,152 -> 1,024 + 128; 300 -> 256 + 64)."""
-    b0 = 1 << (n.bit_length() - 1)
-    return b0, (1 << (n - b0 - 1).bit_length()) if n > b0 else 0
+    """A norm's row in two pieces (5,120 -> 4,096 + 1,024; 1,152 -> 1,024 + 128; 300 -> 256 + 64)."""
+    return pow2_pieces(n, 2)
 
 
 _unwritten_outputs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
@@ -480,12 +489,9 @@ ROW_MAX = 32768
 
 
 def row_pieces(n: int) -> tuple[int, int, int]:
-    """A row of n columns as three power-of-two pieces (the last may be 0): n's two highest powers
-    of two, then what is left rounded up (25,600 -> 16,384 + 8,192 + 1,024; 4,304 -> 4,096 + 128 + 128)."""
-    b0 = 1 << (n.bit_length() - 1)
-    b1 = 1 << ((n - b0).bit_length() - 1) if n > b0 else 0
-    rest = n - b0 - b1
-    return b0, b1, 1 << (rest - 1).bit_length() if rest else 0
+    """A quantised activation's row in three pieces (25,600 -> 16,384 + 8,192 + 1,024; 4,304 ->
+    4,096 + 128 + 128)."""
+    return pow2_pieces(n, 3)
 
 
 def row_warps(columns: int, one_pass: bool) -> int:
