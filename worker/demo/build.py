@@ -115,11 +115,10 @@ RECIPES["gpu2"] = dataclasses.replace(
     RECIPES["gpu"], name="gpu2", image_size=(128, 128),
     train={**RECIPES["gpu"].train, "steps": 1250, "key_weights": (10.0, 15.0, 3.0), "lead_repeats": 2},
     refine={**RECIPES["gpu"].refine, "steps": 1500})
-# gpu2 with a new scene for every trajectory row of every step (worker/demo/stream.py: 80,000
-# instead of 8,000 seen ten times), twice the joint steps; the 4,000 fixed scenes serve the text
-# tasks (the first 2,000) and the expert refinement's contexts
-RECIPES["gpu5"] = dataclasses.replace(
-    RECIPES["gpu2"], name="gpu5", train_scenes=4000, stream=True, train={**RECIPES["gpu2"].train, "steps": 2000})
+# gpu2 with a new scene for every trajectory row of every step (worker/demo/stream.py: 50,000
+# instead of 8,000 seen six times); the 4,000 fixed scenes serve the text tasks (the first 2,000)
+# and the expert refinement's contexts
+RECIPES["gpu5"] = dataclasses.replace(RECIPES["gpu2"], name="gpu5", train_scenes=4000, stream=True)
 SHIPPED_RECIPE = "gpu2"       # what worker/demo/shipped was built with (its quality.json says so too)
 
 
