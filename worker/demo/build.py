@@ -35,7 +35,6 @@ from pathlib import Path
 
 from schemas import CAMERAS
 from worker.demo import report
-from worker.demo.stream import SceneStream, example_arrays, example_tensors
 from worker.scenes import DEFAULT_IMAGE_SIZE
 from worker.demo_cache import COMPLETE_MARKER, DEMO_VERSION, checkpoint_dir, file_lock, is_complete
 
@@ -70,9 +69,6 @@ class Recipe:
     # (measured in docs/demo-model.md: training them too named it in 52-55% of samples, not 99%)
     frozen: tuple[str, ...] = ()
     ship_dtype: str = "float32"       # the weights' dtype in the written checkpoint (trained in fp32 either way)
-    # joint training's trajectory rows are new scenes every step (worker/demo/stream.py); the
-    # train_scenes then serve the text tasks and the expert refinement's contexts only
-    stream: bool = False
 
 
 def shipped_config(config: dict, dtype: str) -> dict:
@@ -115,10 +111,6 @@ RECIPES["gpu2"] = dataclasses.replace(
     RECIPES["gpu"], name="gpu2", image_size=(128, 128),
     train={**RECIPES["gpu"].train, "steps": 1250, "key_weights": (10.0, 15.0, 3.0), "lead_repeats": 2},
     refine={**RECIPES["gpu"].refine, "steps": 1500})
-# gpu2 with a new scene for every trajectory row of every step (worker/demo/stream.py: 50,000
-# instead of 8,000 seen six times); the 4,000 fixed scenes serve the text tasks (the first 2,000)
-# and the expert refinement's contexts
-RECIPES["gpu5"] = dataclasses.replace(RECIPES["gpu2"], name="gpu5", train_scenes=4000, stream=True)
 SHIPPED_RECIPE = "gpu2"       # what worker/demo/shipped was built with (its quality.json says so too)
 
 
@@ -233,13 +225,25 @@ def scene_image_size(checkpoint: str | os.PathLike) -> tuple[int, int]:
     return int(w), int(h)
 
 
+_EXAMPLE_TENSORS = ("input_ids", "positions", "weights", "action")
+
+
 def _examples(job: tuple) -> list:
-    """Examples of one chunk of scenes, their tensors as numpy arrays (`stream.example_arrays`)."""
+    """Examples of one chunk of scenes, their tensors as numpy arrays: handed back through the pool
+    as tensors, each would be shared through a file descriptor (torch's reducers), thousands at once."""
     from worker.demo import train
 
     scenes, tasks, key_weights, first_index = job
     out = train.build_examples(_POOL_RUNTIME, scenes, tasks=tasks, key_weights=key_weights, first_index=first_index)
-    return [example_arrays(e) for e in out]
+    return [dataclasses.replace(e, **{f: getattr(e, f).numpy() for f in _EXAMPLE_TENSORS
+                                      if getattr(e, f) is not None}) for e in out]
+
+
+def _as_tensors(e):
+    import torch
+
+    return dataclasses.replace(e, **{f: torch.from_numpy(getattr(e, f)) for f in _EXAMPLE_TENSORS
+                                     if getattr(e, f) is not None})
 
 
 def _parallel(fn, jobs: list, workers: int) -> list:
@@ -313,10 +317,8 @@ def _build(out: Path, seed: int, progress: bool, recipe: Recipe = RECIPES["cpu"]
         jobs = [(scenes[i:min(i + step, n_text)], train.TASKS, tc.key_weights, i) for i in range(0, n_text, step)]
         jobs += [(scenes[i:i + step], ("trajectory",), tc.key_weights, i)
                  for i in range(n_text, len(scenes), step)]
-        examples = [example_tensors(e) for part in _parallel(_examples, jobs, workers) for e in part]
+        examples = [_as_tensors(e) for part in _parallel(_examples, jobs, workers) for e in part]
         _POOL_RUNTIME = None
-        stream = SceneStream(runtime, seed, dict(tc.per_step)["trajectory"], tc.lead_repeats, tc.key_weights,
-                             recipe.image_size, tc.steps, max(1, workers - 1)) if recipe.stream else None
         lap("examples")
         if device != "cpu":                 # a runtime over the moved model: its fused views live there
             model.to(device)
@@ -325,14 +327,9 @@ def _build(out: Path, seed: int, progress: bool, recipe: Recipe = RECIPES["cpu"]
         log(f"{len(examples)} training sequences; model {n_params / 1e6:.2f} M parameters; training {tc.steps} steps")
         resume = None if resume_file is None else ResumeFile(
             Path(resume_file), f"demo v{DEMO_VERSION}, recipe {recipe.name}, seed {seed}, {tc.steps} steps", stop_at)
-        try:
-            summary = train.train(model, runtime, examples, tc, seed=seed, log=log,
-                                  budget_s=None if budget_s is None else 0.7 * budget_s,
-                                  scene_has_lead=[sc.facts.lead_relation != "none" for sc in scenes],
-                                  resume=resume, stream=stream)
-        finally:
-            if stream is not None:
-                stream.close()
+        summary = train.train(model, runtime, examples, tc, seed=seed, log=log,
+                              budget_s=None if budget_s is None else 0.7 * budget_s,
+                              scene_has_lead=[sc.facts.lead_relation != "none" for sc in scenes], resume=resume)
         if "stopped_at" in summary:
             return False
         lap("training")
@@ -362,7 +359,6 @@ def _build(out: Path, seed: int, progress: bool, recipe: Recipe = RECIPES["cpu"]
             "vocab_size": tok.get_vocab_size(), "dims": {k: (list(v) if isinstance(v, tuple) else v)
                                                         for k, v in vars(dims).items()},
             "parameters": n_params, "frozen": list(recipe.frozen), "ship_dtype": recipe.ship_dtype,
-            "streamed_trajectory_scenes": tc.steps * dict(tc.per_step)["trajectory"] if recipe.stream else 0,
             "trainable_parameters": n_trainable,
             "action_normalisation": norm,
             "train": {**summary, "lr": tc.lr, "warmup": tc.warmup, "expert_repeats": tc.expert_repeats,

@@ -377,21 +377,18 @@ class _PhaseClock:
 class _Sampler:
     """Per-task epochs without replacement (numpy Generator); each step takes `per_step[task]`
     examples of each task, split into the micro-batches of `groups`. An epoch holds the
-    trajectory and meta_action examples of scenes with a lead vehicle `lead_repeats` times.
-    The `streamed` task's examples come from elsewhere (`train`'s stream): none are drawn here."""
+    trajectory and meta_action examples of scenes with a lead vehicle `lead_repeats` times."""
 
     def __init__(self, examples: Sequence[Example], c: TrainConfig, seed: int,
-                 scene_has_lead: Sequence[bool] | None = None, streamed: str | None = None):
+                 scene_has_lead: Sequence[bool] | None = None):
         self.rng = np.random.default_rng([seed, 7])
         self.by_task: dict[str, list[int]] = {}
         for i, e in enumerate(examples):
-            if e.task == streamed:
-                continue
             lead = scene_has_lead is not None and scene_has_lead[e.scene_index]
             times = c.lead_repeats if lead and e.task in ("trajectory", "meta_action") else 1
             self.by_task.setdefault(e.task, []).extend([i] * times)
         self.counts = {t: n for t, n in c.per_step if t in self.by_task and n > 0}
-        self.groups = [[t for t in g if t in self.counts or t == streamed] for g in c.groups]
+        self.groups = [[t for t in g if t in self.counts] for g in c.groups]
         self.groups = [g for g in self.groups if g]
         self.queues: dict[str, list[int]] = {t: [] for t in self.counts}
 
@@ -404,23 +401,22 @@ class _Sampler:
         return out
 
     def step(self) -> list[list[int]]:
-        return [[i for t in g if t in self.counts for i in self._take(t)] for g in self.groups]
+        return [[i for t in g for i in self._take(t)] for g in self.groups]
 
 
 def train(model, runtime: AlpamayoRuntime, examples: Sequence[Example], c: TrainConfig, seed: int = 0,
           log: Callable[[str], None] | None = None, callback: Callable[[int], None] | None = None,
           budget_s: float | None = None, scene_has_lead: Sequence[bool] | None = None,
-          resume: ResumeFile | None = None, stream: Callable[[int], list[Example]] | None = None) -> dict:
+          resume: ResumeFile | None = None) -> dict:
     """AdamW with warm-up + cosine over `c.steps` steps. The global torch RNG (seeded by the
     caller) draws the flow-matching noise and times; a numpy Generator from `seed` the batches.
     `budget_s`: stop after that many seconds even if steps remain (the summary's `steps` says
     how many ran; the weights are then not the recipe's). `scene_has_lead[scene_index]`: scenes
     with a lead vehicle (`TrainConfig.lead_repeats`). `resume`: continue from its saved state when
     the file exists, and stop after `resume.stop_at` steps saving the state there (one schedule
-    over several calls, the same weights as one run: a test checks it). `stream(step)`: that step's
-    trajectory examples (worker/demo/stream.py), instead of drawing them from `examples`. Returns a summary (steps,
+    over several calls, the same weights as one run: a test checks it). Returns a summary (steps,
     wall/CPU seconds, final losses; `stopped_at` when it stopped to be resumed)."""
-    sampler = _Sampler(examples, c, seed, scene_has_lead, "trajectory" if stream else None)
+    sampler = _Sampler(examples, c, seed, scene_has_lead)
     expert = ActionExpert(model.expert, runtime.cfg.action_space.n_waypoints)
     params = [p for p in model.parameters() if p.requires_grad]
     vlm_params = [p for p in model.vlm.parameters() if p.requires_grad]
@@ -432,17 +428,12 @@ def train(model, runtime: AlpamayoRuntime, examples: Sequence[Example], c: Train
     t0, c0 = time.perf_counter(), time.process_time()
     hist: list[dict] = []
     first = resume.load(model, opt, sampler, hist, log) if resume is not None else 0
-    stream_wait = 0.0                        # seconds the loop waited for streamed rows
     clock = _PhaseClock(runtime.device, c.timed_steps)
     # reference_only: the expert's fused GPU kernels have no backward (on a GPU they would cut
     # its layers out of the gradient: a flow loss stuck at 2.0 on the first GPU build)
     with fast_vision_paths(model), reference_only():
         for step in range(first, c.steps):
             groups = [[examples[i] for i in g] for g in sampler.step()]
-            if stream is not None:           # the streamed rows join the group that holds their task
-                g, t = next(i for i, g in enumerate(sampler.groups) if "trajectory" in g), time.perf_counter()
-                groups[g] = stream(step) + groups[g]
-                stream_wait += time.perf_counter() - t
             weight_total = float(sum(float(e.weights.sum()) for g in groups for e in g))
             traj_total = max(1, sum(e.task == "trajectory" for g in groups for e in g))
             for g in opt.param_groups:
@@ -485,7 +476,6 @@ def train(model, runtime: AlpamayoRuntime, examples: Sequence[Example], c: Train
     model.eval()
     tail = hist[-20:]
     return {"steps": len(hist), "examples_per_step": dict(sampler.counts),
-            **({"stream_wait_s": round(stream_wait, 1)} if stream is not None else {}),
             "wall_s": round(time.perf_counter() - t0, 1), "cpu_s": round(time.process_time() - c0, 1),
             "final_weighted_ce": round(float(np.mean([h["ce"] for h in tail])), 4),
             "final_flow_mse": round(float(np.nanmean([h["flow"] for h in tail])), 4)}
