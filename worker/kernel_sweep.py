@@ -31,14 +31,14 @@ def run(dev, gen, fp8_only: bool, rows: str | None, prefill: bool) -> None:
 
 
 def sweep_expert_attention(dev, gen) -> None:
-    """Times the expert's attention (T = 64, 16/8 heads, 4,751 live keys of 8,192) at 1, 2 and 8 rows
+    """Times the expert's attention (T = 64, 16/8 heads, 4,751 live keys of 8,192) at 1, 2, 3, 4 and 8 rows
     under the split plan and fixed split counts, 64 and 128 keys a step, in CUDA graphs (GPU only;
     prints a table, chooses nothing; `attention.tiled_splits` decided from it)."""
     import triton.testing
 
     t, hq, hkv, d, cap, live_len = 64, 16, 8, 128, 8192, 4751
     print("\n| expert attention | rows | keys a step | plan us | unsplit | 4 splits | 8 | 16 |\n" + "|---" * 8 + "|")
-    for rows in (1, 2, 8):
+    for rows in (1, 2, 3, 4, 8):
         q = torch.randn(rows, t, hq, d, device=dev, generator=gen).to(torch.bfloat16)
         k = torch.randn(rows, hkv, cap, d, device=dev, generator=gen).to(torch.bfloat16)
         v = torch.randn_like(k)

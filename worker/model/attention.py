@@ -165,10 +165,13 @@ _SMS = 132                      # an H100/H200's multiprocessors
 # 2 heads per KV head), 2-byte K/V, unsplit: 57.9 against 62.2 us with 64 keys (H200, 2026-12-01;
 # the expert loop 98.4-98.8 against 100.1-111.9 ms)
 TILED_BLOCK_N = 128
-# the expert's tiles split their keys only where that gives each program of one wave at least this
-# many splits' share: H200, 2026-12-02, 4,751 live keys of 8,192, us unsplit / split (64 keys a step):
-# 1 row 59.0 / 29.1 (8 splits), 2 rows 59.9 / 44.9 (4), 3 rows 60.3 / 72.8 (2), 8 rows 69.2 / 120.4 (2)
-MIN_TILED_SPLITS = 4
+# the expert's tiles (several query tiles per KV head) split their keys 8 or 4 ways where programs
+# x splits stay within TILED_WAVES per multiprocessor (they co-reside), else not at all. H200,
+# 2026-12-02, 4,751 live keys of 8,192, 64 keys a step, us unsplit / 4 / 8 splits: 1 row 58.9 /
+# 32.1 / 21.3, 2 rows 60.0 / 35.5 / 30.5, 3 rows 59.9 / 50.7 / 35.9, 4 rows 60.5 / 54.7 / 57.2; 8 rows
+# 69.2 unsplit against 120.4 with 2 splits
+TILED_SPLIT_CHOICES = (8, 4)
+TILED_WAVES = 3
 _MAX_SPLITS = 64
 
 
@@ -181,10 +184,9 @@ WIDE_SPLIT_KEYS = 256           # fewest keys per split for tiles of more than 1
 
 
 def tiled_splits(programs: int) -> int:
-    """Key splits for `programs` multi-tile programs (the expert's): as many as one wave holds, or
-    none where that is under MIN_TILED_SPLITS."""
-    splits = _SMS // programs
-    return splits if splits >= MIN_TILED_SPLITS else 1
+    """Key splits for `programs` multi-tile programs (the expert's): the most of TILED_SPLIT_CHOICES
+    that keeps programs x splits within TILED_WAVES x the multiprocessors, else 1."""
+    return next((s for s in TILED_SPLIT_CHOICES if programs * s <= TILED_WAVES * _SMS), 1)
 
 
 def split_plan(rows: int, kv_heads: int, m_tiles: int, capacity: int, block_n: int,
@@ -201,8 +203,8 @@ def split_plan(rows: int, kv_heads: int, m_tiles: int, capacity: int, block_n: i
         want = min(_SMS // programs, max(1, capacity // WIDE_SPLIT_KEYS))
     else:
         want = -(-2 * _SMS // programs)
-    if m_tiles >= 2:                     # several query tiles per KV head (the expert): one wave at most
-        want = min(want, tiled_splits(programs))
+    if m_tiles >= 2:                     # several query tiles per KV head (the expert)
+        want = tiled_splits(programs)
     splits = max(1, min(want, _MAX_SPLITS, -(-capacity // block_n)))
     size = -(-(-(-capacity // splits)) // block_n) * block_n
     return size, -(-capacity // size)

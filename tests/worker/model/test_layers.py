@@ -111,18 +111,20 @@ def test_the_merge_launches_one_program_per_query_of_each_head(monkeypatch):
     assert grids["merge"][0] == (64, 8) and "TB" not in grids["merge"][1]
 
 
-def test_the_experts_tiles_split_keys_only_where_one_wave_holds_four_splits():
-    """The expert's attention (64 tokens x 2 heads per KV head: two 64-row tiles) at batch 1 and 2
-    ran 16 and 32 programs on 132 multiprocessors unsplit (59 us; split 29 and 45 us on the H200):
-    it splits there (64-key steps), and stays unsplit from batch 3 on, where two splits lost."""
-    from worker.model.attention import MIN_TILED_SPLITS, split_plan, tiled_splits
+def test_the_experts_tiles_split_keys_8_or_4_ways_while_three_programs_a_multiprocessor_hold_them():
+    """The expert's attention (64 tokens x 2 heads per KV head: two 64-row tiles) ran unsplit at
+    batch 3 and 4 (60 us) and 4 ways at batch 2 (35.5 us); on the H200 8 splits took 30.5 us at
+    batch 2 and 35.9 at batch 3, 4 splits 54.7 at batch 4, and batch 8 stays unsplit (2 splits lost)."""
+    from worker.model.attention import split_plan, tiled_splits
 
     assert split_plan(1, 8, 2, 8192, 64, query_rows=64) == (1024, 8)
-    assert split_plan(2, 8, 2, 8192, 64, query_rows=64) == (2048, 4)
+    assert split_plan(2, 8, 2, 8192, 64, query_rows=64) == (1024, 8)
+    assert split_plan(3, 8, 2, 8192, 64, query_rows=64) == (1024, 8)
+    assert split_plan(4, 8, 2, 8192, 128, query_rows=64) == (2048, 4)
     assert split_plan(1, 8, 2, 4864, 64, query_rows=64) == (640, 8)
-    for rows in (3, 4, 8, 16):
+    for rows in (8, 16):
         assert split_plan(rows, 8, 2, 8192, 128, query_rows=64) == (8192, 1)
-    assert tiled_splits(16) == 8 and tiled_splits(33) == MIN_TILED_SPLITS and tiled_splits(48) == 1
+    assert [tiled_splits(p) for p in (16, 48, 50, 64, 99, 100)] == [8, 8, 4, 4, 4, 1]
 
 
 def test_kernels_launch_plainly_off_hopper():
