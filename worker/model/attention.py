@@ -195,16 +195,17 @@ def split_plan(rows: int, kv_heads: int, m_tiles: int, capacity: int, block_n: i
 
     About one program per multiprocessor or more without splitting: one split, no merge kernel.
     Fewer programs than that: split the keys so that about 2 waves of programs run, or one wave
-    of splits of at least WIDE_SPLIT_KEYS keys where a tile holds more than 16 query rows."""
+    of splits of at least WIDE_SPLIT_KEYS keys where a tile holds more than 16 query rows. Several
+    query tiles per KV head (the expert): `tiled_splits`."""
     programs = rows * kv_heads * m_tiles
-    if programs >= _SMS - 8:
+    if m_tiles >= 2:
+        want = tiled_splits(programs)
+    elif programs >= _SMS - 8:
         want = 1
     elif query_rows > 16:                # wide tiles: one wave of programs
         want = min(_SMS // programs, max(1, capacity // WIDE_SPLIT_KEYS))
     else:
         want = -(-2 * _SMS // programs)
-    if m_tiles >= 2:                     # several query tiles per KV head (the expert)
-        want = tiled_splits(programs)
     splits = max(1, min(want, _MAX_SPLITS, -(-capacity // block_n)))
     size = -(-(-(-capacity // splits)) // block_n) * block_n
     return size, -(-capacity // size)
