@@ -69,6 +69,8 @@ class Recipe:
     # (measured in docs/demo-model.md: training them too named it in 52-55% of samples, not 99%)
     frozen: tuple[str, ...] = ()
     ship_dtype: str = "float32"       # the weights' dtype in the written checkpoint (trained in fp32 either way)
+    perception: dict = dataclasses.field(default_factory=dict)  # worker.demo.perception.PerceptionConfig fields:
+                                      # a phase before joint training (none when empty)
 
 
 def shipped_config(config: dict, dtype: str) -> dict:
@@ -111,6 +113,11 @@ RECIPES["gpu2"] = dataclasses.replace(
     RECIPES["gpu"], name="gpu2", image_size=(128, 128),
     train={**RECIPES["gpu"].train, "steps": 1250, "key_weights": (10.0, 15.0, 3.0), "lead_repeats": 2},
     refine={**RECIPES["gpu"].refine, "steps": 1500})
+# gpu2 after a perception phase (worker/demo/perception.py): ~20,000 lead scenes through the front
+# cameras, 2,000 steps of 128 on the reasoning's light and lead sentences, then gpu2's schedule
+RECIPES["gpu6"] = dataclasses.replace(
+    RECIPES["gpu2"], name="gpu6",
+    perception=dict(scenes=44_000, steps=2000, rows=128, lr=1e-3, warmup=100, heldout=512, budget_s=330))
 SHIPPED_RECIPE = "gpu2"       # what worker/demo/shipped was built with (its quality.json says so too)
 
 
@@ -165,12 +172,14 @@ def _deterministic_torch(seed: int):
 def build_demo_checkpoint(cache_root: str | os.PathLike | None = None, seed: int = 0, force: bool = False,
                           progress: bool = True, recipe: str = "cpu", device: str = "cpu", workers: int = 1,
                           out: str | os.PathLike | None = None, budget_s: float | None = None,
-                          resume_file: str | os.PathLike | None = None, stop_at: int | None = None) -> Path | None:
+                          resume_file: str | os.PathLike | None = None, stop_at: int | None = None,
+                          perception_file: str | os.PathLike | None = None) -> Path | None:
     """The demo checkpoint directory, built on first use (see module docstring); `out` builds
     into that directory instead of the cache; `budget_s` caps training + refinement (70 / 30 %).
     `resume_file`: joint training continues from that file's state when it exists and, with
     `stop_at`, stops after that many steps saving its state there -> None (no checkpoint yet: call
-    again with the same file to go on; worker/demo/resume.py)."""
+    again with the same file to go on; worker/demo/resume.py). `perception_file`: the perception
+    phase's weights are loaded from it when it exists, else saved there (`stop_at` 0: stop after it)."""
     final = Path(out) if out is not None else checkpoint_dir(cache_root, seed)
     if not force and is_complete(final):
         return final
@@ -180,7 +189,8 @@ def build_demo_checkpoint(cache_root: str | os.PathLike | None = None, seed: int
         tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            if not _build(tmp, seed, progress, RECIPES[recipe], device, workers, budget_s, resume_file, stop_at):
+            if not _build(tmp, seed, progress, RECIPES[recipe], device, workers, budget_s, resume_file, stop_at,
+                          perception_file):
                 return None
             if final.exists():
                 old = final.parent / f".{final.name}.old-{os.getpid()}"
@@ -228,15 +238,28 @@ def scene_image_size(checkpoint: str | os.PathLike) -> tuple[int, int]:
 _EXAMPLE_TENSORS = ("input_ids", "positions", "weights", "action")
 
 
+def _numpy(examples: list) -> list:
+    return [dataclasses.replace(e, **{f: getattr(e, f).numpy() for f in _EXAMPLE_TENSORS
+                                      if getattr(e, f) is not None}) for e in examples]
+
+
 def _examples(job: tuple) -> list:
     """Examples of one chunk of scenes, their tensors as numpy arrays: handed back through the pool
     as tensors, each would be shared through a file descriptor (torch's reducers), thousands at once."""
     from worker.demo import train
 
     scenes, tasks, key_weights, first_index = job
-    out = train.build_examples(_POOL_RUNTIME, scenes, tasks=tasks, key_weights=key_weights, first_index=first_index)
-    return [dataclasses.replace(e, **{f: getattr(e, f).numpy() for f in _EXAMPLE_TENSORS
-                                      if getattr(e, f) is not None}) for e in out]
+    return _numpy(train.build_examples(_POOL_RUNTIME, scenes, tasks=tasks, key_weights=key_weights,
+                                       first_index=first_index))
+
+
+def _perception_examples(job: tuple) -> list:
+    """The perception phase's examples of one chunk of scene seeds (rendered here, then dropped)."""
+    from worker.demo import perception
+
+    seeds, image_size, key_weights = job
+    return _numpy(perception.build_examples(_POOL_RUNTIME, [perception.scene(s, image_size) for s in seeds],
+                                            key_weights))
 
 
 def _as_tensors(e):
@@ -258,8 +281,9 @@ def _parallel(fn, jobs: list, workers: int) -> list:
 
 def _build(out: Path, seed: int, progress: bool, recipe: Recipe = RECIPES["cpu"], device: str = "cpu",
            workers: int = 1, budget_s: float | None = None, resume_file: str | os.PathLike | None = None,
-           stop_at: int | None = None) -> bool:
-    """-> False when joint training stopped at `stop_at` to be resumed (nothing written to `out`
+           stop_at: int | None = None, perception_file: str | os.PathLike | None = None) -> bool:
+    """-> False when joint training stopped at `stop_at` to be resumed, or before it (`stop_at`
+    0) after the perception phase saved its weights to `perception_file` (nothing written to `out`
     beyond the support files)."""
     global _POOL_RUNTIME
     t_start, c_start = time.perf_counter(), time.process_time()
@@ -267,7 +291,7 @@ def _build(out: Path, seed: int, progress: bool, recipe: Recipe = RECIPES["cpu"]
         if progress else (lambda msg: None)
     import torch
 
-    from worker.demo import report, train
+    from worker.demo import perception, report, train
     from worker.demo.layout import build_tokenizer, make_config, write_support_files
     from worker.demo.resume import ResumeFile
     from worker.model.checkpoint import save_checkpoint
@@ -318,11 +342,37 @@ def _build(out: Path, seed: int, progress: bool, recipe: Recipe = RECIPES["cpu"]
         jobs += [(scenes[i:i + step], ("trajectory",), tc.key_weights, i)
                  for i in range(n_text, len(scenes), step)]
         examples = [_as_tensors(e) for part in _parallel(_examples, jobs, workers) for e in part]
+        pc = perception.PerceptionConfig(**recipe.perception) if recipe.perception else None
+        p_file = Path(perception_file) if perception_file is not None else None
+        if pc is not None and not (p_file is not None and p_file.is_file()):
+            p_seeds, p_held = perception.seeds(seed, pc)
+            chunk = lambda xs: [(xs[i:i + 64], recipe.image_size, tc.key_weights)  # noqa: E731
+                                for i in range(0, len(xs), 64)]
+            p_examples = [_as_tensors(e) for part in _parallel(_perception_examples, chunk(p_seeds), workers)
+                          for e in part]
+            p_held = [_as_tensors(e) for part in _parallel(_perception_examples, chunk(p_held), workers)
+                      for e in part][:pc.heldout]
         _POOL_RUNTIME = None
         lap("examples")
         if device != "cpu":                 # a runtime over the moved model: its fused views live there
             model.to(device)
             runtime = AlpamayoRuntime(model, cfg, tok, ids, image_proc, torch.device(device), torch.float32)
+        perceived = None
+        if pc is not None and p_file is not None and p_file.is_file():
+            model.load_state_dict(torch.load(p_file, map_location=device, weights_only=True))
+            log(f"perception phase: weights loaded from {p_file}")
+            perceived = {"loaded_from": p_file.name}
+        elif pc is not None:
+            log(f"perception phase: {len(p_examples)} lead scenes (front cameras), {pc.steps} steps of {pc.rows}")
+            perceived = perception.run(model, runtime, p_examples, p_held, pc, tc.key_weights, seed, log)
+            del p_examples, p_held
+            if p_file is not None:
+                torch.save(model.state_dict(), p_file)
+            lap("perception")
+        if pc is not None:
+            torch.manual_seed(seed + 1)     # the joint phase draws alike whether the phase ran here or was loaded
+            if stop_at == 0:
+                return False
         n_params = sum(p.numel() for p in model.parameters())
         log(f"{len(examples)} training sequences; model {n_params / 1e6:.2f} M parameters; training {tc.steps} steps")
         resume = None if resume_file is None else ResumeFile(
@@ -365,6 +415,7 @@ def _build(out: Path, seed: int, progress: bool, recipe: Recipe = RECIPES["cpu"]
                       "kv_grad_scale": tc.kv_grad_scale, "key_weights": list(tc.key_weights),
                       "lead_repeats": tc.lead_repeats},
             "expert_refinement": refine,
+            "perception": perceived,
             "timings_s": timings,
         }
         report.write_bev(out, held, preds)
@@ -435,10 +486,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --recipe: continue joint training from this file's state when it exists (and with "
                         "--stop-at-step, save it there): one schedule over several device calls")
     p.add_argument("--stop-at-step", type=int, default=None, metavar="N",
-                   help="with --recipe and --resume-file: stop joint training after step N, saving its state")
+                   help="with --recipe and --resume-file: stop joint training after step N, saving its state "
+                        "(0 with --perception-file: stop after the perception phase)")
+    p.add_argument("--perception-file", default=None, metavar="PATH",
+                   help="with a recipe that has a perception phase: load its weights from PATH when it exists, "
+                        "else save them there")
     args = p.parse_args(argv)
-    if args.stop_at_step is not None and args.resume_file is None:
-        p.error("--stop-at-step needs --resume-file (where the state goes)")
+    if args.stop_at_step is not None and args.resume_file is None and not (
+            args.stop_at_step == 0 and args.perception_file is not None):
+        p.error("--stop-at-step needs --resume-file (where the state goes), or 0 with --perception-file")
     from worker.demo_cache import demo_checkpoint, shipped_dir
 
     if args.ship:
@@ -460,10 +516,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         path = build_demo_checkpoint(args.cache_dir, seed=args.seed, force=args.force, progress=not args.quiet,
                                      recipe=args.recipe, device=args.device, workers=args.workers, out=args.out,
-                                     budget_s=args.budget_s, resume_file=args.resume_file, stop_at=args.stop_at_step)
+                                     budget_s=args.budget_s, resume_file=args.resume_file, stop_at=args.stop_at_step,
+                                     perception_file=args.perception_file)
         if path is None:
-            print(f"joint training stopped after step {args.stop_at_step}: state in {args.resume_file}; run the same "
-                  "command without --stop-at-step (or with a later one) to go on")
+            print(f"training stopped after step {args.stop_at_step}: state in "
+                  f"{args.resume_file or args.perception_file}; run the same command without --stop-at-step "
+                  "(or with a later one) to go on")
             return 0
     q = load_quality(path)
     b = q.get("build", {})

@@ -20,8 +20,11 @@ def scene_id_for(seed: int) -> str:
 
 def generate_scene(seed: int, image_size: tuple[int, int] = DEFAULT_IMAGE_SIZE,
                    task_defaults: TaskDefaults | None = None, *, image_format: str = "png",
-                   noise: int | None = None, jpeg_quality: int = 90) -> Scene:  # fmt: skip
+                   noise: int | None = None, jpeg_quality: int = 90,
+                   cameras: tuple[int, ...] | None = None) -> Scene:  # fmt: skip
     """One synthetic scene; a pure function of its arguments (same seed -> identical bytes).
+    cameras: render only these of the trajectory and VQA cameras (the scene's camera lists hold
+    only them).
 
     image_size is (width, height). noise: per-pixel noise amplitude added to the pictures;
     None = 0 up to 256x256 and 4 above (large images then carry realistic PNG payload sizes)."""
@@ -37,6 +40,10 @@ def generate_scene(seed: int, image_size: tuple[int, int] = DEFAULT_IMAGE_SIZE,
     text = scene_text(facts, plan, q, lead_bbox(facts, (W, H)), td.grounding_question)
 
     cam_ids = sorted(set(TRAJ_CAMERA_IDS) | set(VQA_CAMERA_IDS))
+    if cameras is not None:
+        cam_ids = [c for c in cam_ids if c in cameras]
+    traj_ids = [c for c in TRAJ_CAMERA_IDS if c in cam_ids]
+    vqa_ids = [c for c in VQA_CAMERA_IDS if c in cam_ids]
     frames = render_images(facts, cam_ids, (W, H), seed=seed, image_format=image_format,
                            noise=noise, jpeg_quality=jpeg_quality)  # fmt: skip
     return Scene(
@@ -46,12 +53,12 @@ def generate_scene(seed: int, image_size: tuple[int, int] = DEFAULT_IMAGE_SIZE,
         image_format=image_format,
         image_size=(W, H),
         frame_offsets_s=list(FRAME_OFFSETS_S),
-        camera_ids=list(TRAJ_CAMERA_IDS),
-        camera_order=[CAMERA_NAMES[c] for c in TRAJ_CAMERA_IDS],
-        images=[b for c in TRAJ_CAMERA_IDS for b in frames[c]],
-        vqa_camera_ids=list(VQA_CAMERA_IDS),
-        vqa_camera_order=[CAMERA_NAMES[c] for c in VQA_CAMERA_IDS],
-        vqa_images=[b for c in VQA_CAMERA_IDS for b in frames[c]],
+        camera_ids=traj_ids,
+        camera_order=[CAMERA_NAMES[c] for c in traj_ids],
+        images=[b for c in traj_ids for b in frames[c]],
+        vqa_camera_ids=vqa_ids,
+        vqa_camera_order=[CAMERA_NAMES[c] for c in vqa_ids],
+        vqa_images=[b for c in vqa_ids for b in frames[c]],
         ego_history_xyz=hist_xyz,
         ego_history_rot=hist_rot,
         ego_future_xyz=[list(p) for p in plan.xyz],

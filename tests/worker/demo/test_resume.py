@@ -47,7 +47,7 @@ def test_the_cli_wants_a_file_for_the_state():
 def test_a_build_stopped_to_be_resumed_leaves_no_checkpoint(tmp_path, monkeypatch):
     seen = []
 
-    def stopped(out, seed, progress, recipe, device, workers, budget_s, resume_file, stop_at) -> bool:
+    def stopped(out, seed, progress, recipe, device, workers, budget_s, resume_file, stop_at, perception_file) -> bool:
         seen.append((resume_file, stop_at))
         out.mkdir(parents=True)
         return False
