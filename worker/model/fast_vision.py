@@ -205,12 +205,16 @@ class fast_vision_paths:
                  types.MethodType(functools.partial(_placeholder_mask, host_ids=self.prompt_ids), self.vlm)),
                 (self.vlm.language_model, "_deepstack_process",
                  types.MethodType(functools.partial(_deepstack_add, index=index), self.vlm.language_model))]
+        self.before = [(mod, name, mod.__dict__.get(name)) for mod, name, _ in self.patched]
         for mod, name, fn in self.patched:
             setattr(mod, name, fn)
         return self
 
     def __exit__(self, *exc):
-        for mod, name, _ in self.patched:
-            mod.__dict__.pop(name, None)
+        for mod, name, before in reversed(self.before):    # nested: the outer context's paths stay
+            if before is None:
+                mod.__dict__.pop(name, None)
+            else:
+                setattr(mod, name, before)
         for name, fn in self.functions.items():
             setattr(self.module, name, fn)

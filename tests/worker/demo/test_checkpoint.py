@@ -351,6 +351,23 @@ def test_fast_vision_paths_give_the_vision_tower_the_same_output(ckpt, runtime):
     assert len(grid) > 1 and torch.allclose(fast, slow, atol=1e-5, rtol=1e-5)
 
 
+def test_fast_vision_paths_nested_keep_the_outer_paths_on_inner_exit(runtime):
+    """A check inside training (perception's held-out accuracy within `train.train`) enters the
+    paths again: leaving the inner context keeps the outer one's forwards (it once dropped them, and
+    training went on 4x slower on the library's paths); leaving the outer restores the library's."""
+    from worker.model.fast_vision import fast_vision_paths
+
+    visual = runtime.model.vlm.model.visual
+    patched = [visual.patch_embed] + [b.attn for b in visual.blocks]
+    assert not any("forward" in m.__dict__ for m in patched)
+    with fast_vision_paths(runtime.model):
+        outer = [m.__dict__["forward"] for m in patched]
+        with fast_vision_paths(runtime.model):
+            pass
+        assert [m.__dict__.get("forward") for m in patched] == outer
+    assert not any("forward" in m.__dict__ for m in patched)
+
+
 def test_the_prefill_given_its_prompt_on_the_host_reads_nothing_back_from_the_device(runtime):
     """The runtime's GPU prefill passes the image grid on the host and the prompt to the fast vision
     paths: the vision tower's grid-derived tensors are computed on the host once per grid (a second
