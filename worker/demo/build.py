@@ -114,11 +114,11 @@ RECIPES["gpu2"] = dataclasses.replace(
     train={**RECIPES["gpu"].train, "steps": 1250, "key_weights": (10.0, 15.0, 3.0), "lead_repeats": 2},
     refine={**RECIPES["gpu"].refine, "steps": 1500})
 # gpu2 after a perception phase (worker/demo/perception.py): ~20,000 lead scenes through the front
-# cameras, 2,000 steps of 128 on the reasoning's light and lead sentences, then gpu2's schedule
+# cameras, 3,000 steps of 128 on the reasoning's light and lead sentences, then gpu2's schedule
 RECIPES["gpu6"] = dataclasses.replace(
     RECIPES["gpu2"], name="gpu6",
-    perception=dict(scenes=44_000, steps=2000, rows=128, lr=1e-3, warmup=100, heldout=512, budget_s=330))
-SHIPPED_RECIPE = "gpu2"       # what worker/demo/shipped was built with (its quality.json says so too)
+    perception=dict(scenes=44_000, steps=3000, rows=128, lr=1e-3, warmup=100, heldout=512, budget_s=420))
+SHIPPED_RECIPE = "gpu6"       # what worker/demo/shipped was built with (its quality.json says so too)
 
 
 def _dims(recipe: Recipe):
