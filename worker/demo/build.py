@@ -337,12 +337,14 @@ def _build(out: Path, seed: int, progress: bool, recipe: Recipe = RECIPES["cpu"]
         image_proc = ImageProcessing.from_dir(out, cfg.min_pixels, cfg.max_pixels)
         runtime = _POOL_RUNTIME = AlpamayoRuntime(model, cfg, tok, ids, image_proc, torch.device("cpu"), torch.float32)
         tc, rc = _train_configs(recipe)
+        pc = perception.PerceptionConfig(**recipe.perception) if recipe.perception else None
         n_text, step = recipe.text_task_scenes, 64
         jobs = [(scenes[i:min(i + step, n_text)], train.TASKS, tc.key_weights, i) for i in range(0, n_text, step)]
         jobs += [(scenes[i:i + step], ("trajectory",), tc.key_weights, i)
                  for i in range(n_text, len(scenes), step)]
+        if pc is not None and stop_at == 0:     # stopping after the perception phase: no joint examples
+            jobs = []
         examples = [_as_tensors(e) for part in _parallel(_examples, jobs, workers) for e in part]
-        pc = perception.PerceptionConfig(**recipe.perception) if recipe.perception else None
         p_file = Path(perception_file) if perception_file is not None else None
         if pc is not None and not (p_file is not None and p_file.is_file()):
             p_seeds, p_held = perception.seeds(seed, pc)

@@ -59,3 +59,40 @@ def test_the_phase_trains_the_vlm_and_reports_the_situation_accuracy(setup):
 def test_the_cli_stops_after_the_phase_only_with_a_file():
     with pytest.raises(SystemExit):
         build.main(["--recipe", "cpu", "--stop-at-step", "0"])
+
+
+def test_a_build_stopped_after_the_phase_saves_it_without_joint_examples_then_loads_it(tmp_path, monkeypatch):
+    """`--perception-file F --stop-at-step 0`: the phase runs and its weights go to F, and the joint
+    examples are not built (43 s of a device call); the next build with F loads the phase and goes on
+    to the joint examples."""
+    import dataclasses
+
+    recipe = dataclasses.replace(build.RECIPES["cpu"], name="tiny-perception", train_scenes=8, text_task_scenes=1,
+                                 heldout_scenes=1, vocab_size=300, perception=dict(scenes=8, steps=1, rows=2,
+                                                                                   warmup=1, heldout=1))
+    real, joint = build._examples, []
+
+    def examples(job):
+        joint.append(job)
+        return real(job)
+
+    monkeypatch.setattr(build, "_examples", examples)
+    f = tmp_path / "p.pt"
+    assert build._build(tmp_path / "a", 0, False, recipe, stop_at=0, perception_file=f) is False
+    assert f.is_file() and joint == []
+    state = torch.load(f, weights_only=True)
+
+    class Loaded(Exception):
+        pass
+
+    def stop_at_joint(model, *a, **k):     # the joint phase starts from the file's weights
+        assert all(torch.equal(v, state[k_]) for k_, v in model.state_dict().items())
+        raise Loaded
+
+    monkeypatch.setattr(perception, "run", lambda *a, **k: pytest.fail("the phase ran again"))
+    from worker.demo import train
+
+    monkeypatch.setattr(train, "train", stop_at_joint)
+    with pytest.raises(Loaded):
+        build._build(tmp_path / "b", 0, False, recipe, perception_file=f)
+    assert joint                                    # this time the joint examples were built
