@@ -475,7 +475,7 @@ def train(model, runtime: AlpamayoRuntime, examples: Sequence[Example], c: Train
                 break
     model.eval()
     tail = hist[-20:]
-    flows = [h["flow"] for h in tail if h["flow"] == h["flow"]]      # nan: a step without expert rows
+    flows = [h["flow"] for h in tail if not math.isnan(h["flow"])]   # nan: a step without expert rows
     return {"steps": len(hist), "examples_per_step": dict(sampler.counts),
             "wall_s": round(time.perf_counter() - t0, 1), "cpu_s": round(time.process_time() - c0, 1),
             "final_weighted_ce": round(float(np.mean([h["ce"] for h in tail])), 4),
