@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
@@ -100,10 +101,27 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
 
+    with local_broker(keep=args.keep_kafka) as bootstrap:
+        return _run(args, bootstrap, t0)
+
+
+@contextlib.contextmanager
+def local_broker(keep: bool, name: str = "demo"):
+    """The demo's local Kafka, started or reused, with a lease held while the demo runs
+    (`LocalKafka.acquire`): at the end it stops unless `keep` (--keep-kafka) or another run still
+    holds a lease (two `make demo`s, or a demo beside `make test`'s demo test, share it)."""
     print("== 1. local Apache Kafka", flush=True)
-    kafka = LocalKafka(name="demo")
-    bootstrap = kafka.start()
+    kafka = LocalKafka(name=name)
+    bootstrap = kafka.acquire()
     print(f"   bootstrap {bootstrap}", flush=True)
+    try:
+        yield bootstrap
+    finally:
+        if not keep and not kafka.release():
+            print(f"   local Kafka {name!r} left running: another run still uses it", flush=True)
+
+
+def _run(args, bootstrap: str, t0: float) -> int:
     print("== 2. demo checkpoint and DFlash2 head", flush=True)
     checkpoint = demo_checkpoint()                # shipped, verified against its manifest
     head = demo_head(checkpoint)
@@ -150,8 +168,6 @@ def main(argv: list[str] | None = None) -> int:
             code = 0
     finally:
         stop_worker(proc, timeout=90)
-        if not args.keep_kafka:
-            kafka.stop()
     return code
 
 
