@@ -19,7 +19,12 @@ Two forms, chosen per number of rows by `LAUNCH_CONFIGS`:
         rows too). H200, 2026-12-02, 64 rows, each shape's best swapped tile: the 32B layer's
         four products 282 against 380 us unswapped, the expert's 59 against 68 (the table's one
         tile, 128 wide with 8 warps, was the best for gate/up and down, 64 wide for qkv and o);
-        at 8-32 rows no faster (0.89-1.04x), not used there
+        at 8-32 rows no faster (0.89-1.04x), not used there. For 2-16 rows (verify(8) at batch 1-2)
+        with fp16 operands (`f16_tile_product`): widening e4m3 to bf16 takes three conversions per two
+        values (e4m3x2 -> f16x2, then each f16 -> bf16; the bf16 form ran at ~65% of the copy
+        bandwidth), to fp16 one. H200, 2026-12-03 (`.run/sweep8b.py`, the 32B layer's four
+        products, us): 8 rows 177.3 -> 160.8, 16 rows 182.9 -> 167.6; 32 rows 214 -> 243 and 64
+        rows 293 -> 400 (not used there); fp8 verify(8) step, batch 1, 13.47 -> 12.51 ms
 Both split K across programs when the output tiles alone would leave multiprocessors idle
 (`split_count`): each split writes an fp32 partial and a second kernel sums the splits in a
 fixed order (no atomics), so a second launch gives the same bits. Launch shapes depend only on
@@ -63,12 +68,15 @@ class LaunchConfig:
     stages: int
     swap_ab: bool = False              # dot form as (W x^T)^T: the widened weight tile is the product's
                                        # left operand, the few rows its narrow right one
+    f16: bool = False                  # dot form with fp16 operands for e4m3 weights and bf16 / fp16 rows
+                                       # (`f16_tile_product`: e4m3 -> fp16 is one conversion per two values,
+                                       # -> bf16 three)
 
 
 # (most rows, config): the first entry whose row count covers M; the last covers any larger M.
 LAUNCH_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
     (1, LaunchConfig(block_m=1, block_n=16, block_k=1024, warps=4, stages=2)),
-    (16, LaunchConfig(block_m=16, block_n=64, block_k=128, warps=4, stages=4)),
+    (16, LaunchConfig(block_m=16, block_n=64, block_k=128, warps=4, stages=4, f16=True)),
     (32, LaunchConfig(block_m=32, block_n=64, block_k=128, warps=4, stages=4)),
     (64, LaunchConfig(block_m=64, block_n=128, block_k=128, warps=8, stages=3, swap_ab=True)),
     (256, LaunchConfig(block_m=64, block_n=128, block_k=64, warps=8, stages=3)),
@@ -140,10 +148,29 @@ def stream_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.
 
 if triton is not None:
     @triton.jit
+    def f16_tile_product(x, w, SWAP_AB: tl.constexpr):
+        """x (BLOCK_M, BLOCK_K) bf16 times w (BLOCK_N, BLOCK_K) e4m3, transposed, in fp32 through fp16
+        tensor-core operands: w widened to fp16 (exact, one conversion per two values), each row of x
+        scaled by a power of two that puts its largest magnitude in [2^14, 2^15) (exact for bf16
+        values: no overflow past fp16's 65,504, no loss to its subnormals above 2^-28 of the row's
+        largest), the tile's product scaled back. (BLOCK_M, BLOCK_N), or (BLOCK_N, BLOCK_M) with SWAP_AB."""
+        xf = x.to(tl.float32)
+        ex = ((tl.max(tl.abs(xf), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141
+        ex = tl.minimum(tl.maximum(ex, -100), 100)              # all-zero (padding) rows: any scale
+        up = ((127 - ex) << 23).to(tl.float32, bitcast=True)     # 2^-ex
+        down = ((127 + ex) << 23).to(tl.float32, bitcast=True)   # 2^ex
+        xs = (xf * up[:, None]).to(tl.float16)
+        if SWAP_AB:
+            y = tl.dot(w.to(tl.float16), tl.trans(xs)) * down[None, :]
+        else:
+            y = tl.dot(xs, tl.trans(w.to(tl.float16))) * down[:, None]
+        return y
+
+    @triton.jit
     def _stream_kernel(X, W, SCALE, BIAS, Y, PART, M, N, K, sx_m, sw_n, sw_k, sy_m, k_per_split,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   DOT_FP32: tl.constexpr, SWAP_AB: tl.constexpr, GDC: tl.constexpr):
+                   DOT_FP32: tl.constexpr, SWAP_AB: tl.constexpr, F16: tl.constexpr, GDC: tl.constexpr):
         gdc_enter(GDC)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -171,6 +198,8 @@ if triton is not None:
                             other=0.0)
             if BLOCK_M == 1:                                    # gemv: x (1, BLOCK_K) against each row of W
                 acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+            elif F16:                                           # fp16 operands, x's rows scaled by powers of two
+                acc += f16_tile_product(x, w, SWAP_AB)
             elif SWAP_AB and DOT_FP32:
                 acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc)
             elif SWAP_AB:                                       # (BLOCK_N, BLOCK_K) x (BLOCK_K, BLOCK_M)
@@ -237,11 +266,14 @@ def stream_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     s = scale if scale is not None else y
     b = bias if bias is not None else s
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(rows, config.block_m), splits)
+    # fp16 operands only where both convert exactly: e4m3 weights, bf16 / fp16 rows
+    f16 = config.f16 and config.block_m > 1 and weight.dtype == torch.float8_e4m3fn and x2.dtype in (torch.bfloat16,
+                                                                                                     torch.float16)
     _stream_kernel[grid](x2, weight, s, b, y, part, rows, n, k, x2.stride(0), weight.stride(0), weight.stride(1),
                      y.stride(0), k_per_split, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                      BLOCK_K=config.block_k, SPLIT=splits, EVEN_K=k % config.block_k == 0,
                      HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, DOT_FP32=_INTERPRETED,
-                     SWAP_AB=config.swap_ab and config.block_m > 1, num_warps=config.warps, num_stages=config.stages, **launch_args(x2))
+                     SWAP_AB=config.swap_ab and config.block_m > 1, F16=f16, num_warps=config.warps, num_stages=config.stages, **launch_args(x2))
     if splits > 1:
         _sum_splits_kernel[(rows, triton.cdiv(n, REDUCE_BLOCK))](
             part, s, b, y, rows, n, y.stride(0), SPLIT=splits, HAS_SCALE=scale is not None,

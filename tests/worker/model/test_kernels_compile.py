@@ -60,11 +60,15 @@ def _cases():
     yield ("quantize_rows", fp8._quantize_rows_kernel, dict(X=bf, Q=f8, S=f32), dict(BLOCK=4096, E4M3=448.0), 8)
     for rows, c in stream_gemm.LAUNCH_CONFIGS:
         for w, split, y in ((f8, 1, bf), (f8, 4, bf), (bf, 1, bf)):
-            yield (f"stream product, {rows} rows, {w[1:]} weight, {split} splits, {y[1:]} Y", stream_gemm._stream_kernel,
-                   dict(X=bf, W=w, SCALE=f32, BIAS=bf, Y=y, PART=f32),
+            f16 = c.f16 and c.block_m > 1 and w == f8
+            yield (f"stream product, {rows} rows, {w[1:]} weight, {split} splits, {y[1:]} Y, fp16 dot {f16}",
+                   stream_gemm._stream_kernel, dict(X=bf, W=w, SCALE=f32, BIAS=bf, Y=y, PART=f32),
                    dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=split, EVEN_K=True,
                         HAS_SCALE=w == f8, HAS_BIAS=False, DOT_FP32=False, SWAP_AB=c.swap_ab and c.block_m > 1,
-                        GDC=True), (c.warps, c.stages))
+                        F16=f16, GDC=True), (c.warps, c.stages))
+    yield ("stream product, fp16 dot swapped", stream_gemm._stream_kernel, dict(X=bf, W=f8, SCALE=f32, BIAS=bf, Y=bf, PART=f32),
+           dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT=4, EVEN_K=True, HAS_SCALE=True, HAS_BIAS=False, DOT_FP32=False,
+                SWAP_AB=True, F16=True, GDC=True), (4, 4))
     for t, block_m, block_n, direct in [(1, 16, 64, False), (8, 64, 64, False), (64, 64, attention.TILED_BLOCK_N, True),
                                         (64, 64, 64, False)]:     # the expert at batch 1-2: split tiles
         yield (f"attention split, T={t}", attention._split_kernel,

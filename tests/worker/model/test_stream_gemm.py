@@ -64,6 +64,26 @@ for m, n, k, dtype, transposed in [(1, 37, 600, "bfloat16", False), (1, 37, 600,
     ref = x.double() @ w.double().t()
     out["plain"].append(dict(case=[m, n, k, dtype, transposed], strides=list(w.stride()), shape=list(y.shape),
                              rel_err=float((y.double() - ref).norm() / ref.norm())))
+# the fp16 dot form (e4m3 weights, bf16 rows scaled by powers of two) against the bf16 dot form, with
+# rows far past fp16's range (1e6), tiny ones and an all-zero row; fp32 rows and bf16 weights do not take it
+out["f16"] = []
+bf16_form = LaunchConfig(block_m=16, block_n=32, block_k=64, warps=4, stages=2)
+f16_form = LaunchConfig(block_m=16, block_n=32, block_k=64, warps=4, stages=2, f16=True)
+for m, n, k, dtype, fp8_weight, swap in [(8, 70, 300, "bfloat16", True, False), (5, 45, 129, "bfloat16", True, True),
+                                         (8, 70, 300, "float32", True, False), (8, 70, 300, "bfloat16", False, False)]:
+    dt = getattr(torch, dtype)
+    w = torch.randn(n, k, generator=gen)
+    w, scale = fp8.quantize_weight(w) if fp8_weight else (w.to(dt), None)
+    x = (torch.randn(m, k, generator=gen) * torch.logspace(-6, 6, m)[:, None]).to(dt)
+    x[1] = 0.0
+    forms = [LaunchConfig(**{**c.__dict__, "swap_ab": swap}) for c in (bf16_form, f16_form)]
+    y0, y1 = (stream_linear(x, w, scale, config=c, splits=2) for c in forms)
+    ref = x.double() @ (w.double() * (scale.double()[:, None] if fp8_weight else 1)).t()
+    row_err = ((y1.double() - ref).norm(dim=1) / ref.norm(dim=1).clamp(min=1e-300)).tolist()
+    out["f16"].append(dict(case=[m, n, k, dtype, fp8_weight, swap], finite=bool(torch.isfinite(y1).all()),
+                           same_bits_as_bf16_form=torch.equal(y0, y1), zero_row=bool((y1[1] == 0).all()),
+                           worst_row_rel_err=max(e for i, e in enumerate(row_err) if i != 1),
+                           bf16_form_rel_err=float((y0.double() - ref).norm() / ref.norm())))
 # Fp8Linear: which product runs for few rows, many rows, and inside reference_only()
 lin = fp8.Fp8Linear(torch.nn.Linear(48, 24, bias=False))
 for name, rows, ref_only in [("few", 3, False), ("limit", fp8.WEIGHT_ONLY_MAX_ROWS, False),
@@ -121,6 +141,19 @@ def test_the_swapped_dot_form_gives_the_product(interpreted):
     for c in cases:
         m, n, _, dtype = c["case"]
         assert c["shape"] == [m, n] and c["rel_err"] <= (1e-6 if dtype == "float32" else 1e-2), c
+
+
+def test_the_fp16_dot_form_keeps_rows_far_past_fp16s_range_and_runs_only_where_exact(interpreted):
+    """e4m3 -> fp16 is one conversion per two values (-> bf16 three); bf16 rows are scaled by a power
+    of two per tile so none overflows fp16 (65,504) or drops into its subnormals: every row, 1e-6
+    to 1e6, within the bf16 output's rounding. fp32 rows and bf16 weights would not convert
+    exactly, so they keep the other form (the same bits)."""
+    cases = {tuple(c["case"]): c for c in interpreted["f16"]}
+    for case, c in cases.items():
+        assert c["finite"] and c["zero_row"], c
+        assert c["worst_row_rel_err"] <= (1e-6 if case[3] == "float32" else 1e-2), c
+    assert cases[(8, 70, 300, "float32", True, False)]["same_bits_as_bf16_form"]
+    assert cases[(8, 70, 300, "bfloat16", False, False)]["same_bits_as_bf16_form"]
 
 
 def test_fp8_linear_module_uses_the_kernel_for_few_rows_only(interpreted):
