@@ -137,6 +137,13 @@ def split_count(rows: int, n: int, k: int, config: LaunchConfig, sms: int, weigh
     return max(1, min(want, steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS, partials))
 
 
+def takes_f16(config: LaunchConfig, weight_dtype: torch.dtype, x_dtype: torch.dtype) -> bool:
+    """Whether a launch of `config` runs the fp16 dot form: only where both operands convert to
+    fp16 exactly (e4m3 weights; bf16 / fp16 rows, scaled by `f16_tile_product`)."""
+    return config.f16 and config.block_m > 1 and weight_dtype == torch.float8_e4m3fn \
+        and x_dtype in (torch.bfloat16, torch.float16)
+
+
 def stream_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
                             bias: torch.Tensor | None = None) -> torch.Tensor:
     """The (dequantised) product in x's dtype (what the kernels compute, up to summation order)."""
@@ -266,14 +273,11 @@ def stream_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     s = scale if scale is not None else y
     b = bias if bias is not None else s
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(rows, config.block_m), splits)
-    # fp16 operands only where both convert exactly: e4m3 weights, bf16 / fp16 rows
-    f16 = config.f16 and config.block_m > 1 and weight.dtype == torch.float8_e4m3fn and x2.dtype in (torch.bfloat16,
-                                                                                                     torch.float16)
     _stream_kernel[grid](x2, weight, s, b, y, part, rows, n, k, x2.stride(0), weight.stride(0), weight.stride(1),
                      y.stride(0), k_per_split, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                      BLOCK_K=config.block_k, SPLIT=splits, EVEN_K=k % config.block_k == 0,
                      HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, DOT_FP32=_INTERPRETED,
-                     SWAP_AB=config.swap_ab and config.block_m > 1, F16=f16, num_warps=config.warps, num_stages=config.stages, **launch_args(x2))
+                     SWAP_AB=config.swap_ab and config.block_m > 1, F16=takes_f16(config, weight.dtype, x2.dtype), num_warps=config.warps, num_stages=config.stages, **launch_args(x2))
     if splits > 1:
         _sum_splits_kernel[(rows, triton.cdiv(n, REDUCE_BLOCK))](
             part, s, b, y, rows, n, y.stride(0), SPLIT=splits, HAS_SCALE=scale is not None,

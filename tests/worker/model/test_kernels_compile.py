@@ -12,6 +12,8 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+import torch  # noqa: E402
+
 from worker.model import attention, fp8, fused_ops, stream_gemm  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
@@ -60,7 +62,7 @@ def _cases():
     yield ("quantize_rows", fp8._quantize_rows_kernel, dict(X=bf, Q=f8, S=f32), dict(BLOCK=4096, E4M3=448.0), 8)
     for rows, c in stream_gemm.LAUNCH_CONFIGS:
         for w, split, y in ((f8, 1, bf), (f8, 4, bf), (bf, 1, bf)):
-            f16 = c.f16 and c.block_m > 1 and w == f8
+            f16 = stream_gemm.takes_f16(c, torch.float8_e4m3fn if w == f8 else torch.bfloat16, torch.bfloat16)
             yield (f"stream product, {rows} rows, {w[1:]} weight, {split} splits, {y[1:]} Y, fp16 dot {f16}",
                    stream_gemm._stream_kernel, dict(X=bf, W=w, SCALE=f32, BIAS=bf, Y=y, PART=f32),
                    dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=split, EVEN_K=True,
