@@ -129,8 +129,8 @@ def sweep_weight_gemms(dev, gen) -> None:
 FP8_SWEEP_CONFIGS = {
     1: [LaunchConfig(1, bn, bk, w, 2) for bn, bk in ((8, 512), (8, 1024), (16, 256), (16, 512), (16, 1024), (32, 128),
                                                      (32, 256), (32, 512), (64, 128)) for w in (4, 8)],
-    8: [LaunchConfig(16, bn, bk, w, st) for bn, bk, w, st in ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3),
-                                                               (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3))],
+    8: [LaunchConfig(16, bn, bk, w, st, f16=True) for bn, bk, w, st in ((64, 128, 4, 4), (128, 128, 2, 3),
+                                                                         (128, 256, 4, 3), (256, 128, 8, 3))],
     32: [LaunchConfig(32, bn, bk, w, st) for bn, bk, w, st in ((32, 128, 4, 4), (64, 64, 4, 4), (64, 256, 4, 3),
                                                                 (128, 128, 4, 3), (128, 128, 8, 3))],
     64: [LaunchConfig(64, bn, bk, w, st, sw) for bn, bk, w, st, sw in ((64, 128, 4, 3, False), (64, 128, 4, 3, True),
@@ -274,7 +274,7 @@ def sweep_fp8_linear(dev, gen, only_rows: set[int] | None = None) -> None:
         for name in ("qkv", "o", "gate/up", "down"):
             w8, scale = weights[name]
             x = torch.randn(m, w8.shape[1], device=dev, generator=gen).to(torch.bfloat16)
-            for c in [launch_config(m)] + [c for c in configs if c != launch_config(m)]:
+            for c in [launch_config(m, 1, True)] + [c for c in configs if c != launch_config(m, 1, True)]:
                 try:
                     times = [_bench_streamed_us(lambda w, s: stream_linear(x, w, s, config=c, splits=sp), w8, scale)
                              for sp in (None, 1)]
@@ -282,4 +282,4 @@ def sweep_fp8_linear(dev, gen, only_rows: set[int] | None = None) -> None:
                     print(f"| {c} | {m} | {name} | {type(e).__name__} | - | |")
                     continue
                 print(f"| {c.block_m}, {c.block_n}, {c.block_k}, {c.warps}, {c.stages}{', swapped' * c.swap_ab} | {m} | {name} "
-                      f"| {times[0]:.1f} | {times[1]:.1f} | {'yes' if c == launch_config(m) else ''} |", flush=True)
+                      f"| {times[0]:.1f} | {times[1]:.1f} | {'yes' if c == launch_config(m, 1, True) else ''} |", flush=True)

@@ -24,7 +24,8 @@ Two forms, chosen per number of rows by `LAUNCH_CONFIGS`:
         values (e4m3x2 -> f16x2, then each f16 -> bf16; the bf16 form ran at ~65% of the copy
         bandwidth), to fp16 one. H200, 2026-12-03 (`.run/sweep8b.py`, the 32B layer's four
         products, us): 8 rows 177.3 -> 160.8, 16 rows 182.9 -> 167.6; 32 rows 214 -> 243 and 64
-        rows 293 -> 400 (not used there); fp8 verify(8) step, batch 1, 13.47 -> 12.51 ms
+        rows 293 -> 400 (not used there); fp8 verify(8) step, batch 1, 13.47 -> 12.51 ms. Its own
+        table (`F16_LAUNCH_CONFIGS`): 128-wide tiles split for ~2.4 programs a multiprocessor
 Both split K across programs when the output tiles alone would leave multiprocessors idle
 (`split_count`): each split writes an fp32 partial and a second kernel sums the splits in a
 fixed order (no atomics), so a second launch gives the same bits. Launch shapes depend only on
@@ -42,6 +43,7 @@ tests; its tl.dot mishandles bf16 operands (Triton 3.9), so there the dot form w
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -71,15 +73,24 @@ class LaunchConfig:
     f16: bool = False                  # dot form with fp16 operands for e4m3 weights and bf16 / fp16 rows
                                        # (`f16_tile_product`: e4m3 -> fp16 is one conversion per two values,
                                        # -> bf16 three)
+    programs_per_sm: float | None = None   # `split_count`'s target (None: PROGRAMS_PER_SM, 1 for 2-byte weights)
 
 
 # (most rows, config): the first entry whose row count covers M; the last covers any larger M.
 LAUNCH_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
     (1, LaunchConfig(block_m=1, block_n=16, block_k=1024, warps=4, stages=2)),
-    (16, LaunchConfig(block_m=16, block_n=64, block_k=128, warps=4, stages=4, f16=True)),
+    (16, LaunchConfig(block_m=16, block_n=64, block_k=128, warps=4, stages=4)),
     (32, LaunchConfig(block_m=32, block_n=64, block_k=128, warps=4, stages=4)),
     (64, LaunchConfig(block_m=64, block_n=128, block_k=128, warps=8, stages=3, swap_ab=True)),
     (256, LaunchConfig(block_m=64, block_n=128, block_k=64, warps=8, stages=3)),
+)
+# ... for e4m3 weights and bf16 / fp16 rows (`f16_operands`), looked up first: the fp16 dot form. H200,
+# 2026-12-03 (`.run/sweep8.py`, the 32B layer's four products, us a layer at 2 / 8 / 16 rows): 64-wide
+# tiles under the general split rule (7-16 splits) 153.7 / 160.1 / 166.4; 128-wide tiles split for
+# about 2.4 programs a multiprocessor (qkv 4 splits, o 8, gate/up 1, down 8) 144.7 / 145.5 / 148.7,
+# within 0.4 of the best tile and split count of each product; fp8 verify(8), batch 1, 12.56 -> 11.70 ms
+F16_LAUNCH_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
+    (16, LaunchConfig(block_m=16, block_n=128, block_k=128, warps=4, stages=3, f16=True, programs_per_sm=2.4)),
 )
 PROGRAMS_PER_SM = 8                    # split K until about this many programs per multiprocessor (the gemv
                                        # form at 61 registers x 128 threads fits 8); 2-byte weights: 1 (their
@@ -99,14 +110,18 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 
-def launch_config(rows: int, weight_bytes: int = 1) -> LaunchConfig:
-    """The table's entry for `rows`; one row streams 1 KiB of each of 16 weight rows per step
+def launch_config(rows: int, weight_bytes: int = 1, f16: bool = False) -> LaunchConfig:
+    """The table's entry for `rows` (F16_LAUNCH_CONFIGS' first where `f16`, the operands `f16_operands`
+    allows, and more than one row); one row streams 1 KiB of each of 16 weight rows per step
     whatever the weight's width (fp8: 1024 inputs, bf16: 512). H200 sweeps of 2026-12-01 on the
     32B layer at one row: fp8 130.8 us a layer against 136.4 with 32 x 256; bf16 (N, K) qkv and
     gate/up 25.8 / 119.0 us against cuBLAS's 28.1 / 130.6."""
     if rows == 1 and weight_bytes != 1:
         c = LAUNCH_CONFIGS[0][1]
         return LaunchConfig(c.block_m, c.block_n, c.block_k // weight_bytes, c.warps, c.stages)
+    for most, config in F16_LAUNCH_CONFIGS if f16 and rows > 1 else ():
+        if rows <= most:
+            return config
     for most, config in LAUNCH_CONFIGS:
         if rows <= most:
             return config
@@ -126,22 +141,27 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def split_count(rows: int, n: int, k: int, config: LaunchConfig, sms: int, weight_bytes: int = 1) -> int:
-    """How many K splits: enough programs for PROGRAMS_PER_SM per multiprocessor (one for 2-byte
-    weights), each split at least MIN_STEPS_PER_SPLIT steps of BLOCK_K, at most MAX_SPLITS, and
-    the fp32 partials (written, then read back: 8 bytes x splits x rows x N) under a quarter of
-    the weight's N x K or under L2_PARTIAL_BYTES."""
+    """How many K splits: enough programs for the config's programs_per_sm per multiprocessor
+    (default PROGRAMS_PER_SM, one for 2-byte weights), each split at least MIN_STEPS_PER_SPLIT steps
+    of BLOCK_K, at most MAX_SPLITS, and the fp32 partials (written, then read back: 8 bytes x splits
+    x rows x N) under a quarter of the weight's N x K or under L2_PARTIAL_BYTES."""
     tiles = -(-rows // config.block_m) * -(-n // config.block_n)
-    want = -(-(PROGRAMS_PER_SM if weight_bytes == 1 else 1) * sms // tiles)
+    per_sm = config.programs_per_sm or (PROGRAMS_PER_SM if weight_bytes == 1 else 1)
+    want = math.ceil(per_sm * sms / tiles)
     steps = -(-k // config.block_k)
     partials = max(k // (32 * rows), L2_PARTIAL_BYTES // (8 * rows * n))
     return max(1, min(want, steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS, partials))
 
 
+def f16_operands(weight_dtype: torch.dtype, x_dtype: torch.dtype) -> bool:
+    """Whether both operands convert to fp16 exactly (e4m3 weights; bf16 / fp16 rows, scaled by
+    `f16_tile_product`)."""
+    return weight_dtype == torch.float8_e4m3fn and x_dtype in (torch.bfloat16, torch.float16)
+
+
 def takes_f16(config: LaunchConfig, weight_dtype: torch.dtype, x_dtype: torch.dtype) -> bool:
-    """Whether a launch of `config` runs the fp16 dot form: only where both operands convert to
-    fp16 exactly (e4m3 weights; bf16 / fp16 rows, scaled by `f16_tile_product`)."""
-    return config.f16 and config.block_m > 1 and weight_dtype == torch.float8_e4m3fn \
-        and x_dtype in (torch.bfloat16, torch.float16)
+    """Whether a launch of `config` runs the fp16 dot form."""
+    return config.f16 and config.block_m > 1 and f16_operands(weight_dtype, x_dtype)
 
 
 def stream_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
@@ -262,7 +282,7 @@ def stream_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
-    config = config or launch_config(rows, weight.element_size())
+    config = config or launch_config(rows, weight.element_size(), f16_operands(weight.dtype, x2.dtype))
     if splits is None:
         splits = split_count(rows, n, k, config, _multiprocessors(x.device), weight.element_size())
     steps = -(-k // config.block_k)

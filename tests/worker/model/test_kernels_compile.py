@@ -60,7 +60,7 @@ def _cases():
     yield ("vision_rope", fused_ops._vision_rope_kernel, dict(QKV=bf, Q=bf, K=bf, COS=f32, SIN=f32),
            dict(H=16, D=72, NH=16, BD=128, GDC=True), 4)
     yield ("quantize_rows", fp8._quantize_rows_kernel, dict(X=bf, Q=f8, S=f32), dict(BLOCK=4096, E4M3=448.0), 8)
-    for rows, c in stream_gemm.LAUNCH_CONFIGS:
+    for rows, c in (*stream_gemm.LAUNCH_CONFIGS, *stream_gemm.F16_LAUNCH_CONFIGS):
         for w, split, y in ((f8, 1, bf), (f8, 4, bf), (bf, 1, bf)):
             f16 = stream_gemm.takes_f16(c, torch.float8_e4m3fn if w == f8 else torch.bfloat16, torch.bfloat16)
             yield (f"stream product, {rows} rows, {w[1:]} weight, {split} splits, {y[1:]} Y, fp16 dot {f16}",

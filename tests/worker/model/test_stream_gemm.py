@@ -210,3 +210,21 @@ def test_small_weights_split_k_while_their_partials_stay_in_l2():
     assert [split_count(64, n, k, c, 132) for n, k in ((10240, 5120), (5120, 8192), (51200, 5120), (5120, 25600))] \
         == [2, 4, 2, 12]
     assert 8 * 64 * 1536 * 10 <= L2_PARTIAL_BYTES
+
+
+def test_fp16_form_tiles_split_for_a_few_programs_per_multiprocessor():
+    """The 2-16-row fp8 products with bf16 rows (verify(8) at batch 1-2) ran 64-wide tiles split for
+    8 programs a multiprocessor (7-16 splits): H200, the 32B layer's products 160.1 us at 8 rows;
+    128-wide tiles split for ~2.4 (qkv 4, o 8, gate/up 1, down 8) took 145.5. fp32 rows and bf16
+    weights keep the general table's entry."""
+    import torch
+
+    from worker.model.stream_gemm import LAUNCH_CONFIGS, f16_operands, launch_config, split_count
+
+    c = launch_config(8, 1, f16_operands(torch.float8_e4m3fn, torch.bfloat16))
+    assert c.f16 and c.block_n == 128
+    assert [split_count(8, n, k, c, 132) for n, k in ((10240, 5120), (5120, 8192), (51200, 5120), (5120, 25600))] \
+        == [4, 8, 1, 8]
+    assert launch_config(16, 1, True) == c and launch_config(1, 1, True) == LAUNCH_CONFIGS[0][1]
+    for w, x in ((torch.float8_e4m3fn, torch.float32), (torch.bfloat16, torch.bfloat16)):
+        assert not launch_config(8, w.itemsize, f16_operands(w, x)).f16
