@@ -10,7 +10,7 @@ import torch
 
 from worker.demo.layout import write_random_checkpoint
 from worker.model.checkpoint import CheckpointError, load_model, validate_layout
-from worker.model.runtime import AlpamayoRuntime, SceneRequest
+from worker.model.runtime import STAGE_FRAMES, AlpamayoRuntime, SceneRequest
 
 from tests.worker.graph_replay import use_replaying_graphs
 
@@ -380,11 +380,29 @@ def test_frames_are_staged_on_the_prep_pool_with_the_same_pixels(rt, monkeypatch
     threads, stage = [], rt._stage
     monkeypatch.setattr(rt, "_stage", lambda frames: (threads.append(threading.current_thread().name), stage(frames))[1])
     first = rt.run([scene(1), scene(2)])
-    assert len(threads) == 2 and all(t.startswith("image-prep") for t in threads), threads
+    assert len(threads) == 2 * 24 // STAGE_FRAMES and all(t.startswith("image-prep") for t in threads), threads
     monkeypatch.undo()
     again = rt.run([scene(1), scene(2)])
     assert [r.token_ids for r in first] == [r.token_ids for r in again]
     assert all(r.timings_ms["image_prep"] > 0 for r in first)
+
+
+def test_frames_are_staged_in_pieces_started_before_the_prompt_work(rt, monkeypatch):
+    """On the H200 a 24-frame scene's pinned copy took ~8 ms on one thread, started after the
+    prompt's ~5 ms of host work: the scene's first kernel waited for both. The pieces go to the
+    pool before the prompt is encoded, and their pixel rows are the whole scene's."""
+    order = []
+
+    class Pool:
+        def submit(self, fn, frames):
+            order.append(("stage", len(frames)))
+            return rt._prep_pool.submit(fn, frames)
+    encode = rt.prompts.encode
+    monkeypatch.setattr(rt.prompts, "encode", lambda *a: (order.append(("prompt", 0)), encode(*a))[1])
+    req = scene(3)
+    p = rt._prepare(req, Pool())
+    assert order == [("stage", STAGE_FRAMES)] * (24 // STAGE_FRAMES) + [("prompt", 0)]
+    assert torch.equal(rt._pixel_values(p), rt.image_proc(torch.from_numpy(req.frames))[0])
 
 
 def test_warmup_frames_are_full_hd_on_cuda_and_small_elsewhere(rt, monkeypatch):
