@@ -41,9 +41,7 @@ from worker.model.trajectory_tokens import future_tokenizer_from_config, history
 from worker.uncertainty import checker_disagreement
 
 TRAJECTORY_MAX_NEW = 256
-PREP_THREADS = min(8, os.cpu_count() or 1)     # pieces of frames staged at once (`_stage`)
-STAGE_FRAMES = 6               # frames a staging job copies (CUDA: a 24-frame scene's 149 MB pinned copy took
-                               # ~8 ms on one thread on the H200, after ~5 ms of prompt work it could overlap)
+PREP_THREADS = min(8, os.cpu_count() or 1)     # scenes whose frames are staged at once (`_stage`)
 CALIBRATION_CONTEXT = 4400     # live positions per row when step costs are measured (a 24-image prompt)
 CPU_CALIBRATION_CONTEXT = 256  # the same on the CPU reference path (the tests' small scenes)
 DEFAULT_MAX_NEW = {"trajectory": TRAJECTORY_MAX_NEW, "meta_action": 512, "auto_labeling": 1024,
@@ -143,8 +141,7 @@ class _Prepared:
     hist_xyz: torch.Tensor | None
     hist_rot: torch.Tensor | None
     image_prep_ms: float                          # host work: prompt, frames staging (`_stage`)
-    staged: list[Future]                          # -> (staged frames or CPU pixel values, host ms) of each
-                                                  # STAGE_FRAMES frames: `_stage`
+    staged: Future                                # -> (staged frames or CPU pixel values, host ms): `_stage`
     pixel_values: torch.Tensor | None = None      # set by AlpamayoRuntime._pixel_values
 
 
@@ -241,18 +238,17 @@ class AlpamayoRuntime:
 
     # ------------------------------------------------------------------ per-scene preparation
     def _prepare(self, req: SceneRequest, pool: ThreadPoolExecutor | None = None) -> _Prepared:
-        """A scene's prompt, positions and egomotion; its frames' host work (`_stage`, in pieces of
-        STAGE_FRAMES) runs in `pool` when given, started before the prompt work (collected by
-        `_pixel_values` just before the scene's prefill, so later scenes' frames are staged while
-        earlier scenes prefill), else here, pixel values included."""
+        """A scene's prompt, positions and egomotion; its frames' host work (`_stage`) runs in `pool`
+        when given, started before the prompt work (collected by `_pixel_values` just before the
+        scene's prefill, so later scenes' frames are staged while earlier scenes prefill), else
+        here, pixel values included."""
         t0 = time.perf_counter()
         grid = self.image_proc.grid(req.frames)
         if req.task in TASKS_NEEDING_EGOMOTION and (req.ego_history_xyz is None or req.ego_history_rot is None):
             raise InferenceError("missing_egomotion", f"task {req.task} needs egomotion history")
         if req.task == "auto_labeling" and (req.ego_future_xyz is None or req.ego_future_rot is None):
             raise InferenceError("missing_future_egomotion", "auto_labeling needs the future egomotion")
-        pieces = [req.frames[i:i + STAGE_FRAMES] for i in range(0, len(req.frames), STAGE_FRAMES)]
-        staged = [pool.submit(self._stage, f) for f in pieces] if pool is not None else []
+        staged = pool.submit(self._stage, req.frames) if pool is not None else Future()
         hist_xyz = hist_rot = None
         history_ids = future_ids = None
         if req.task in TASKS_NEEDING_EGOMOTION:
@@ -272,9 +268,8 @@ class AlpamayoRuntime:
         spec = PromptSpec(req.task, tuple(req.camera_ids), req.num_frames, tokens_per_image, req.nav_text, req.question)
         input_ids = self.prompts.encode(spec, history_ids, future_ids)
         positions, delta = mrope_positions(input_ids, grid, self.ids.image_pad, self.image_proc.merge_size)
-        for f in pieces if pool is None else ():
-            staged.append(Future())
-            staged[-1].set_result(self._stage(f))
+        if pool is None:
+            staged.set_result(self._stage(req.frames))
         p = _Prepared(req, input_ids, positions, delta, grid, hist_xyz, hist_rot, (time.perf_counter() - t0) * 1000.0,
                       staged)
         if pool is None:
@@ -282,8 +277,8 @@ class AlpamayoRuntime:
         return p
 
     def _stage(self, frames: np.ndarray) -> tuple[torch.Tensor, float]:
-        """Host work on some of a scene's frames (thread-safe; numpy and torch release the GIL): on
-        CUDA a pinned copy, which the device copy then reads asynchronously; on the CPU the whole
+        """Host work on one scene's frames (thread-safe; numpy and torch release the GIL): on CUDA a
+        pinned copy, which the device copy then reads asynchronously; on the CPU the whole
         preprocessing (resize, normalise, patchify) -> pixel values. -> (tensor, milliseconds)."""
         t0 = time.perf_counter()
         x = torch.from_numpy(np.ascontiguousarray(frames))
@@ -294,19 +289,13 @@ class AlpamayoRuntime:
         return x, (time.perf_counter() - t0) * 1000.0
 
     def _pixel_values(self, p: _Prepared) -> torch.Tensor:
-        """The scene's pixel values on the device (CUDA: copy and preprocess there, no sync); the
-        pieces' pixel rows are the whole scene's, in order (each image is preprocessed alone)."""
+        """The scene's pixel values on the device (CUDA: copy and preprocess there, no sync)."""
         if p.pixel_values is None:
-            pieces = [f.result() for f in p.staged]
-            xs = [x for x, _ in pieces]
+            x, host_ms = p.staged.result()
             if self.device.type == "cuda":
-                x = torch.cat([x.to(self.device, non_blocking=True) for x in xs]) if len(xs) > 1 else \
-                    xs[0].to(self.device, non_blocking=True)
-                x = self.image_proc(x)[0].to(self.dtype)
-            else:
-                x = torch.cat(xs) if len(xs) > 1 else xs[0]
+                x = self.image_proc(x.to(self.device, non_blocking=True))[0].to(self.dtype)
             p.pixel_values = x
-            p.image_prep_ms += max(ms for _, ms in pieces)      # the pieces run side by side
+            p.image_prep_ms += host_ms
         return p.pixel_values
 
     @torch.inference_mode()

@@ -10,7 +10,7 @@ import torch
 
 from worker.demo.layout import write_random_checkpoint
 from worker.model.checkpoint import CheckpointError, load_model, validate_layout
-from worker.model.runtime import STAGE_FRAMES, AlpamayoRuntime, SceneRequest
+from worker.model.runtime import AlpamayoRuntime, SceneRequest
 
 from tests.worker.graph_replay import use_replaying_graphs
 
@@ -380,17 +380,17 @@ def test_frames_are_staged_on_the_prep_pool_with_the_same_pixels(rt, monkeypatch
     threads, stage = [], rt._stage
     monkeypatch.setattr(rt, "_stage", lambda frames: (threads.append(threading.current_thread().name), stage(frames))[1])
     first = rt.run([scene(1), scene(2)])
-    assert len(threads) == 2 * 24 // STAGE_FRAMES and all(t.startswith("image-prep") for t in threads), threads
+    assert len(threads) == 2 and all(t.startswith("image-prep") for t in threads), threads
     monkeypatch.undo()
     again = rt.run([scene(1), scene(2)])
     assert [r.token_ids for r in first] == [r.token_ids for r in again]
     assert all(r.timings_ms["image_prep"] > 0 for r in first)
 
 
-def test_frames_are_staged_in_pieces_started_before_the_prompt_work(rt, monkeypatch):
+def test_frames_are_staged_before_the_prompt_work(rt, monkeypatch):
     """On the H200 a 24-frame scene's pinned copy took ~8 ms on one thread, started after the
-    prompt's ~5 ms of host work: the scene's first kernel waited for both. The pieces go to the
-    pool before the prompt is encoded, and their pixel rows are the whole scene's."""
+    prompt's ~5 ms of host work: the scene's first kernel waited for both. The frames go to the
+    pool before the prompt is encoded."""
     order = []
 
     class Pool:
@@ -401,7 +401,7 @@ def test_frames_are_staged_in_pieces_started_before_the_prompt_work(rt, monkeypa
     monkeypatch.setattr(rt.prompts, "encode", lambda *a: (order.append(("prompt", 0)), encode(*a))[1])
     req = scene(3)
     p = rt._prepare(req, Pool())
-    assert order == [("stage", STAGE_FRAMES)] * (24 // STAGE_FRAMES) + [("prompt", 0)]
+    assert order == [("stage", 24), ("prompt", 0)]
     assert torch.equal(rt._pixel_values(p), rt.image_proc(torch.from_numpy(req.frames))[0])
 
 
