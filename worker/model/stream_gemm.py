@@ -119,9 +119,10 @@ def launch_config(rows: int, weight_bytes: int = 1, f16: bool = False) -> Launch
     if rows == 1 and weight_bytes != 1:
         c = LAUNCH_CONFIGS[0][1]
         return LaunchConfig(c.block_m, c.block_n, c.block_k // weight_bytes, c.warps, c.stages)
-    for most, config in F16_LAUNCH_CONFIGS if f16 and rows > 1 else ():
-        if rows <= most:
-            return config
+    if f16 and rows > 1:
+        for most, config in F16_LAUNCH_CONFIGS:
+            if rows <= most:
+                return config
     for most, config in LAUNCH_CONFIGS:
         if rows <= most:
             return config
