@@ -357,13 +357,15 @@ def demo_acceptance(t: Table, checkpoint: str, head: str, dev, n: int = 16) -> N
 
 
 def to_fp8(rt, model) -> None:
-    """The decoder stacks quantised to fp8 in place; the captured graphs dropped and the fused
-    products built again."""
+    """The decoder stacks quantised to fp8 in place, as a checkpoint loaded for an fp8 profile has
+    them; the captured graphs dropped and the fused products of the text stack and of the expert
+    built again (a stack left unfused keeps its bf16 q/k/v and gate/up products)."""
     from worker.model.fp8 import quantize_model_fp8
 
     rt.graphs.clear()
     quantize_model_fp8(model)
     rt.decoder.fuse()
+    rt.expert.stack.fuse()
 
 
 def decode_path_targets(steps: dict, lp: dict, hf: dict, expert_s: float, floor_s: float, wb: int, bw: float,

@@ -23,7 +23,7 @@ if not torch.cuda.is_available():        # before Triton is imported: no GPU -> 
 
 from worker.model.attention import attend_reference, cache_attention  # noqa: E402
 from worker.model.decoder import apply_rope, rms_norm, rope_cos_sin  # noqa: E402
-from worker.model.fp8 import quantize_model_fp8, quantize_rows, quantize_rows_reference, quantize_weight  # noqa: E402
+from worker.model.fp8 import quantize_rows, quantize_rows_reference, quantize_weight  # noqa: E402
 from worker.model.fused_ops import (add_layer_norm, add_rms_norm, gelu_tanh_rows, qk_norm_rope_write,  # noqa: E402
                                     reference_only, silu_mul, vision_rope)
 from worker.model.stream_gemm import stream_linear  # noqa: E402
@@ -92,28 +92,29 @@ def check_fused_ops(shape: dict, dtype, dev, gen) -> list[tuple[str, float, floa
     gu = torch.randn(7, 2 * inter, device=dev, generator=gen).to(dtype)
     g, u = gu.chunk(2, dim=-1)
     rows.append(("silu_mul", *rel_err(silu_mul(gu), torch.nn.functional.silu(g) * u)))
-    # q/k norm + rope + cache write
-    b, t, hq, hkv, d, cap = SHAPES_ACTIVE["verify"][0]
-    qkv = torch.randn(b, t, (hq + 2 * hkv) * d, device=dev, generator=gen).to(dtype)
-    qn, kn = [(1 + 0.1 * torch.randn(d, device=dev, generator=gen)).to(dtype) for _ in range(2)]
-    kc = torch.full((b + 1, hkv, cap, d), float("nan"), device=dev, dtype=dtype)
-    vc = torch.full_like(kc, float("nan"))
-    start = torch.randint(0, cap - t, (b,), device=dev, generator=gen)
-    delta = torch.randint(-3, 50, (b,), device=dev, generator=gen)
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=dev).float() / d))
-    q = qk_norm_rope_write(qkv, hq, hkv, qn, kn, 1e-6, kc, vc, start, delta, inv_freq, 1.0)
-    pos = start[:, None] + torch.arange(t, device=dev)
-    cos, sin = rope_cos_sin(pos + delta[:, None], inv_freq, dtype)
-    rq, rk, rv = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
-    qm, km = torch.nn.Module(), torch.nn.Module()
-    qm.weight, qm.variance_epsilon, km.weight, km.variance_epsilon = qn, 1e-6, kn, 1e-6
-    ref_q = apply_rope(rms_norm(rq.view(b, t, hq, d), qm).transpose(1, 2), cos, sin).transpose(1, 2)
-    ref_k = apply_rope(rms_norm(rk.view(b, t, hkv, d), km).transpose(1, 2), cos, sin)     # (B, Hkv, T, D)
-    idx = pos[:, None, :, None].expand(b, hkv, t, d)
-    rows.append(("qk_norm_rope_write q", *rel_err(q, ref_q)))
-    rows.append(("qk_norm_rope_write k in cache", *rel_err(kc[:b].gather(2, idx), ref_k)))
-    rows.append(("qk_norm_rope_write v in cache",
-                 *rel_err(vc[:b].gather(2, idx), rv.view(b, t, hkv, d).transpose(1, 2))))
+    # q/k norm + rope + cache write: the shape's heads, and 20 + 2 x 4 (two programs a token, the last padded)
+    b, t, hq0, hkv0, d, cap = SHAPES_ACTIVE["verify"][0]
+    for hq, hkv, tag in ((hq0, hkv0, ""), (20, 4, " (28 heads)")):
+        qkv = torch.randn(b, t, (hq + 2 * hkv) * d, device=dev, generator=gen).to(dtype)
+        qn, kn = [(1 + 0.1 * torch.randn(d, device=dev, generator=gen)).to(dtype) for _ in range(2)]
+        kc = torch.full((b + 1, hkv, cap, d), float("nan"), device=dev, dtype=dtype)
+        vc = torch.full_like(kc, float("nan"))
+        start = torch.randint(0, cap - t, (b,), device=dev, generator=gen)
+        delta = torch.randint(-3, 50, (b,), device=dev, generator=gen)
+        inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=dev).float() / d))
+        q = qk_norm_rope_write(qkv, hq, hkv, qn, kn, 1e-6, kc, vc, start, delta, inv_freq, 1.0)
+        pos = start[:, None] + torch.arange(t, device=dev)
+        cos, sin = rope_cos_sin(pos + delta[:, None], inv_freq, dtype)
+        rq, rk, rv = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+        qm, km = torch.nn.Module(), torch.nn.Module()
+        qm.weight, qm.variance_epsilon, km.weight, km.variance_epsilon = qn, 1e-6, kn, 1e-6
+        ref_q = apply_rope(rms_norm(rq.view(b, t, hq, d), qm).transpose(1, 2), cos, sin).transpose(1, 2)
+        ref_k = apply_rope(rms_norm(rk.view(b, t, hkv, d), km).transpose(1, 2), cos, sin)     # (B, Hkv, T, D)
+        idx = pos[:, None, :, None].expand(b, hkv, t, d)
+        rows.append((f"qk_norm_rope_write q{tag}", *rel_err(q, ref_q)))
+        rows.append((f"qk_norm_rope_write k in cache{tag}", *rel_err(kc[:b].gather(2, idx), ref_k)))
+        rows.append((f"qk_norm_rope_write v in cache{tag}",
+                     *rel_err(vc[:b].gather(2, idx), rv.view(b, t, hkv, d).transpose(1, 2))))
     # the vision tower's rotary (the 32B tower's 16 heads of 72) against transformers' own
     from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision
 
@@ -220,10 +221,23 @@ def check_decoder_steps(rt, tag: str, rows: int, cap: int, dtype, dev, gen):
     return out, (cache, ref_cache, delta)
 
 
+def check_expert(rt, tag: str, cache, ref_cache, delta, dev, gen) -> tuple[str, float, float]:
+    """The expert's velocity, fused over `cache` against the reference ops over `ref_cache` (the same
+    K/V), 64 action columns after each row's offset."""
+    rows, cap = delta.shape[0], cache.capacity
+    x = torch.randn(rows, rt.expert.num_waypoints, 2, device=dev, generator=gen)
+    tt = torch.rand(rows, 1, 1, device=dev, generator=gen)
+    offset = torch.randint(1, cap - rt.expert.num_waypoints, (rows,), device=dev, generator=gen)
+    v_fused = rt.expert.velocity(x, tt, cache, offset, delta, cap)
+    with reference_only():
+        v_ref = rt.expert.velocity(x, tt, ref_cache, offset, delta, int(offset.max()))
+    return (f"{tag}expert velocity", *rel_err(v_fused, v_ref))
+
+
 def check_model(shape: str, dtype, dev, gen) -> list[tuple[str, float, float]]:
     """Whole stacks of a random model: decoder step (T = 1, 8), draft block, expert velocity, and
     the decoder step again with fp8 weights (the weight-only kernel against the dequantised ops)."""
-    from worker.bench import build_model, make_runtime, random_draft
+    from worker.bench import build_model, make_runtime, random_draft, to_fp8
 
     model, cfg, tok = build_model(shape, dev, dtype)
     rt = make_runtime(model, cfg, tok, dev, dtype)
@@ -231,14 +245,7 @@ def check_model(shape: str, dtype, dev, gen) -> list[tuple[str, float, float]]:
     out = check_decoder_steps(rt, "1 row: ", 1, cap, dtype, dev, gen)[0]      # one-row products (gemv form)
     step_rows, (cache, ref_cache, delta) = check_decoder_steps(rt, "", rows, cap, dtype, dev, gen)
     out += step_rows
-    # expert: 64 action columns after each row's offset
-    x = torch.randn(rows, rt.expert.num_waypoints, 2, device=dev, generator=gen)
-    tt = torch.rand(rows, 1, 1, device=dev, generator=gen)
-    offset = torch.randint(1, cap - rt.expert.num_waypoints, (rows,), device=dev, generator=gen)
-    v_fused = rt.expert.velocity(x, tt, cache, offset, delta, cap)
-    with reference_only():
-        v_ref = rt.expert.velocity(x, tt, ref_cache, offset, delta, int(offset.max()))
-    out.append(("expert velocity", *rel_err(v_fused, v_ref)))
+    out.append(check_expert(rt, "", cache, ref_cache, delta, dev, gen))
     # draft block over its context cache
     draft = random_draft(rt)
     hc = draft.config
@@ -256,9 +263,10 @@ def check_model(shape: str, dtype, dev, gen) -> list[tuple[str, float, float]]:
         h_fused = draft.block_hidden_fused(emb, lengths, delta, [(ck, cv)])
     out.append(("draft block hidden", *rel_err(h_fused, h_ref)))
     out += check_prefill(rt, "", dtype)
-    quantize_model_fp8(model)
-    rt.decoder.fuse()
-    out += check_decoder_steps(rt, "fp8 ", rows, cap, dtype, dev, gen)[0]
+    to_fp8(rt, model)
+    fp8_rows, (cache, ref_cache, delta) = check_decoder_steps(rt, "fp8 ", rows, cap, dtype, dev, gen)
+    out += fp8_rows
+    out.append(check_expert(rt, "fp8 ", cache, ref_cache, delta, dev, gen))
     out += check_prefill(rt, "fp8 ", dtype)
     return out
 
@@ -330,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
             # layer by layer (tests/worker/model/test_fp8_vision_tower.py; H200, 2026-12-02: bf16
             # 1.4-1.8e-2, fp32 2.1-2.8e-2, the vision tower's), so its rows get FP8_PREFILL_BOUND
             # (half of e4m3's largest relative step) in either dtype: a wrong scale or layout is O(1)
-            ok = err <= (FP8_PREFILL_BOUND if name.startswith("fp8 prefill") else bound[dtype])
+            # (the fp8 expert's rows too: more than fp8.WEIGHT_ONLY_MAX_ROWS rows multiply fp8 x fp8)
+            ok = err <= (FP8_PREFILL_BOUND if name.startswith(("fp8 prefill", "fp8 expert")) else bound[dtype])
             failed += not ok
             print(f"| {name} | model {model_shape} | {str(dtype)[6:]} | {err:.2e} | {mx:.2e} | {'ok' if ok else 'FAIL'} |")
     if args.sweep and gpu:

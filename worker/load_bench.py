@@ -225,13 +225,19 @@ def profile_bytes(shape: str) -> dict[str, ModelBytes]:
     fp8 = sum((_numel(s) + 4 * s[0]) if is_fp8_weight(n, s) else 2 * _numel(s) for n, s in shapes.items())
     hc = head_config_for(cfg, mask_token_id=0)
     with torch.device("meta"):
-        draft = sum(2 * p.numel() for p in DraftModel(hc).state_dict().values())
+        draft_shapes = {n: tuple(p.shape) for n, p in DraftModel(hc).state_dict().items()}
+    draft = sum(2 * _numel(s) for s in draft_shapes.values())
+    # fp8 proposals (`Proposer.use_fp8`): the draft's products but the selector's in e4m3, and an e4m3 LM head
+    vocab, hidden = shapes["vlm.lm_head.weight"]
+    fp8_draft = vocab * hidden + 4 * vocab + sum(
+        _numel(s) + 4 * s[0] if len(s) == 2 and not n.startswith("selector.") else 2 * _numel(s)
+        for n, s in draft_shapes.items())
     t = cfg.text
     target = 2 * cfg.num_layers * int(t["num_key_value_heads"]) * int(t["head_dim"]) * 2
     drafted = target + 2 * hc.num_hidden_layers * hc.num_key_value_heads * hc.head_dim * 2
     return {"bf16": ModelBytes(bf16, target, target), "fp8": ModelBytes(fp8, target, target),
             "bf16-dflash2": ModelBytes(bf16 + draft, drafted, target),
-            "fp8-dflash2": ModelBytes(fp8 + draft, drafted, target)}
+            "fp8-dflash2": ModelBytes(fp8 + fp8_draft, drafted, target)}
 
 
 def plan_table(shape: str, fraction: float = 0.90, batch: int = 8) -> str:

@@ -136,3 +136,21 @@ def test_timed_demo_runs_keep_the_collector_off_the_loaded_objects_and_give_them
     with frozen_collector():
         assert gc.get_freeze_count() >= before + len(kept)
     assert gc.get_freeze_count() == 0
+
+
+def test_fp8_conversion_leaves_no_fused_product_of_either_stack_in_bf16():
+    """The bench quantises a built runtime in place; the products the fused stacks built before (the
+    text stack's and the expert's concatenated q/k/v and gate/up) must be built again from the fp8
+    layers, as a checkpoint loaded for an fp8 profile has them, or the bench times bf16 products."""
+    import torch
+
+    from worker.bench import build_model, make_runtime, to_fp8
+    from worker.model.fp8 import Fp8Linear
+
+    model, cfg, tok = build_model("tiny", torch.device("cpu"), torch.float32)
+    rt = make_runtime(model, cfg, tok, torch.device("cpu"), torch.float32)
+    to_fp8(rt, model)
+    for stack in (rt.decoder.stack, rt.expert.stack):
+        for qkv, gate_up, _ in stack.parts:
+            for proj in (qkv, gate_up):
+                assert all(isinstance(m, Fp8Linear) for m in (proj if isinstance(proj, tuple) else (proj,)))

@@ -31,6 +31,7 @@ from torch import nn
 from worker.dflash.head import HeadConfig
 from worker.model.attention import attend
 from worker.model.decoder import apply_rope, rope_cos_sin
+from worker.model.fp8 import quantize_linears
 from worker.model.layers import FusedStack
 
 
@@ -115,7 +116,7 @@ class DraftModel(nn.Module):
     def project(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         """Target hidden states {layer: (B, T, H)} -> context features (B, T, H)."""
         x = torch.cat([hidden[i] for i in self.config.target_layer_ids], dim=-1)
-        return self.hidden_norm(self.fc(x.to(self.fc.weight.dtype)))
+        return self.hidden_norm(self.fc(x.to(self.norm.weight.dtype)))
 
     def context_kv(self, feats: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per draft layer K/V of context features. feats (B, T, H), positions (B, T) rope positions."""
@@ -165,6 +166,12 @@ class DraftModel(nn.Module):
             self._stack = FusedStack(self.layers, self.config.head_dim)
         h, _ = self._stack.run(block_emb, caches, start, rope_delta, self.inv_freq, 1.0, causal=False)
         return self._stack.final_norm(h, self.norm)
+
+    def quantize_fp8(self) -> None:
+        """fc's and the layers' products in e4m3 with per-channel scales (`fp8.Fp8Linear`), as the
+        fp8 profiles hold the target's; the selector stays in the compute dtype."""
+        quantize_linears(self, keep=lambda name, shape: not name.startswith("selector."))
+        self._stack = None                           # its fused products were the bf16 ones
 
     # ---------------------------------------------------------------- io
     @classmethod

@@ -29,6 +29,7 @@ from worker.dflash.metrics import RowStats, SpecStats, row_stats
 from worker.dflash.policy import VERIFY_TOKENS, SpeculationPolicy, StepCosts
 from worker.dflash.proposer import Proposer
 from worker.model.decoder import TextDecoder
+from worker.model.fp8 import Fp8Linear
 from worker.model.generate import STATE, DecodeBatch, run_step, start_batch
 from worker.model.sampling import SamplingParams, sample
 
@@ -48,6 +49,8 @@ class DFlash2Speculator:
         self.draft = draft
         self.config: HeadConfig = draft.config
         self.proposer = Proposer(draft, base_model.language_model.embed_tokens, base_model.lm_head)
+        self._target_mlp = base_model.language_model.layers[0].mlp     # its products say the profile
+        self._match_profile()
         self.target_layer_ids = tuple(self.config.target_layer_ids)
         self.block_size = self.config.block_size
         self.num_spec_tokens = self.config.num_spec_tokens
@@ -71,7 +74,14 @@ class DFlash2Speculator:
         self._prompts, self._queued = [], 0          # a failed batch's queued prompts go
         dev = self.draft.fc.weight.device
         self.proposer.graphs = graphs
+        self._match_profile()
         self.proposer.begin(rows, capacity, dev, self.dtype, persistent=persistent)
+
+    def _match_profile(self) -> None:
+        """fp8 proposals where the target's layers are fp8: at construction (a checkpoint loaded for
+        an fp8 profile, before the memory plan) and at each batch (a model quantised afterwards)."""
+        if isinstance(self._target_mlp.down_proj, Fp8Linear):
+            self.proposer.use_fp8()
 
     def load_context(self, rows: slice, hidden: dict[int, torch.Tensor], rope_delta: int) -> None:
         """Queue one scene's prompt as the draft context of `rows`; the queue is written in one

@@ -398,3 +398,42 @@ def test_a_batchs_prompts_write_their_draft_context_in_one_pass(runtimes, monkey
                 torch.testing.assert_close(sp.proposer.k[layer][r, :, :t], k[0], rtol=1e-6, atol=1e-6)
                 torch.testing.assert_close(sp.proposer.v[layer][r, :, :t], v[0], rtol=1e-6, atol=1e-6)
                 assert not sp.proposer.k[layer][r, :, t:].any()
+
+
+def test_fp8_profiles_propose_through_fp8_weights_and_stay_lossless(ckpt, head):
+    """On an fp8 profile the draft's products and the LM head it proposes through are e4m3 (the
+    target's own head stays in the compute dtype, so verification, hence every output, is the fp8
+    baseline's); on bf16 the proposer uses the target's head itself."""
+    from worker.model.fp8 import Fp8Linear
+
+    base = AlpamayoRuntime.load(ckpt, device="cpu", dtype=torch.float32, precision="fp8")
+    spec = AlpamayoRuntime.load(ckpt, device="cpu", dtype=torch.float32, precision="fp8",
+                                speculator_factory=DFlash2Speculator.factory(str(head)))
+    bf16 = AlpamayoRuntime.load(ckpt, device="cpu", dtype=torch.float32,
+                                speculator_factory=DFlash2Speculator.factory(str(head)))
+    proposer = spec.speculator.proposer
+    assert isinstance(proposer.head, Fp8Linear) and type(proposer.lm_head) is torch.nn.Linear
+    assert proposer.lm_head is spec.model.lm_head
+    assert isinstance(proposer.draft.fc, Fp8Linear) and isinstance(proposer.draft.layers[0].mlp.down_proj, Fp8Linear)
+    assert type(proposer.draft.selector.q_proj) is torch.nn.Linear
+    assert bf16.speculator.proposer.head is bf16.model.lm_head
+    assert type(bf16.speculator.proposer.draft.fc) is torch.nn.Linear
+    for r in (base, spec):
+        r.trajectory_max_new = 24
+    reqs = [scene(i, k=2, temperature=0.7, seed=20 + i) for i in range(2)]
+    for x, y in zip(base.run(reqs), spec.run(reqs)):
+        assert x.texts == y.texts and y.speculative.steps > 0
+
+
+def test_a_model_quantised_after_the_speculator_was_built_gets_fp8_proposals_at_the_next_batch(ckpt, head):
+    """The benchmarks quantise a built runtime in place (`bench.to_fp8`): the next batch's
+    `begin` turns the proposals to fp8 too."""
+    from worker.model.fp8 import Fp8Linear, quantize_model_fp8
+
+    spec = AlpamayoRuntime.load(ckpt, device="cpu", dtype=torch.float32,
+                                speculator_factory=DFlash2Speculator.factory(str(head)))
+    spec.trajectory_max_new = 8
+    assert type(spec.speculator.proposer.head) is torch.nn.Linear
+    quantize_model_fp8(spec.model)
+    spec.run([scene(1, k=1, temperature=0.0, seed=1)])
+    assert isinstance(spec.speculator.proposer.head, Fp8Linear)
