@@ -92,29 +92,28 @@ def check_fused_ops(shape: dict, dtype, dev, gen) -> list[tuple[str, float, floa
     gu = torch.randn(7, 2 * inter, device=dev, generator=gen).to(dtype)
     g, u = gu.chunk(2, dim=-1)
     rows.append(("silu_mul", *rel_err(silu_mul(gu), torch.nn.functional.silu(g) * u)))
-    # q/k norm + rope + cache write: the shape's heads, and 20 + 2 x 4 (two programs a token, the last padded)
-    b, t, hq0, hkv0, d, cap = SHAPES_ACTIVE["verify"][0]
-    for hq, hkv, tag in ((hq0, hkv0, ""), (20, 4, " (28 heads)")):
-        qkv = torch.randn(b, t, (hq + 2 * hkv) * d, device=dev, generator=gen).to(dtype)
-        qn, kn = [(1 + 0.1 * torch.randn(d, device=dev, generator=gen)).to(dtype) for _ in range(2)]
-        kc = torch.full((b + 1, hkv, cap, d), float("nan"), device=dev, dtype=dtype)
-        vc = torch.full_like(kc, float("nan"))
-        start = torch.randint(0, cap - t, (b,), device=dev, generator=gen)
-        delta = torch.randint(-3, 50, (b,), device=dev, generator=gen)
-        inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=dev).float() / d))
-        q = qk_norm_rope_write(qkv, hq, hkv, qn, kn, 1e-6, kc, vc, start, delta, inv_freq, 1.0)
-        pos = start[:, None] + torch.arange(t, device=dev)
-        cos, sin = rope_cos_sin(pos + delta[:, None], inv_freq, dtype)
-        rq, rk, rv = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
-        qm, km = torch.nn.Module(), torch.nn.Module()
-        qm.weight, qm.variance_epsilon, km.weight, km.variance_epsilon = qn, 1e-6, kn, 1e-6
-        ref_q = apply_rope(rms_norm(rq.view(b, t, hq, d), qm).transpose(1, 2), cos, sin).transpose(1, 2)
-        ref_k = apply_rope(rms_norm(rk.view(b, t, hkv, d), km).transpose(1, 2), cos, sin)     # (B, Hkv, T, D)
-        idx = pos[:, None, :, None].expand(b, hkv, t, d)
-        rows.append((f"qk_norm_rope_write q{tag}", *rel_err(q, ref_q)))
-        rows.append((f"qk_norm_rope_write k in cache{tag}", *rel_err(kc[:b].gather(2, idx), ref_k)))
-        rows.append((f"qk_norm_rope_write v in cache{tag}",
-                     *rel_err(vc[:b].gather(2, idx), rv.view(b, t, hkv, d).transpose(1, 2))))
+    # q/k norm + rope + cache write
+    b, t, hq, hkv, d, cap = SHAPES_ACTIVE["verify"][0]
+    qkv = torch.randn(b, t, (hq + 2 * hkv) * d, device=dev, generator=gen).to(dtype)
+    qn, kn = [(1 + 0.1 * torch.randn(d, device=dev, generator=gen)).to(dtype) for _ in range(2)]
+    kc = torch.full((b + 1, hkv, cap, d), float("nan"), device=dev, dtype=dtype)
+    vc = torch.full_like(kc, float("nan"))
+    start = torch.randint(0, cap - t, (b,), device=dev, generator=gen)
+    delta = torch.randint(-3, 50, (b,), device=dev, generator=gen)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=dev).float() / d))
+    q = qk_norm_rope_write(qkv, hq, hkv, qn, kn, 1e-6, kc, vc, start, delta, inv_freq, 1.0)
+    pos = start[:, None] + torch.arange(t, device=dev)
+    cos, sin = rope_cos_sin(pos + delta[:, None], inv_freq, dtype)
+    rq, rk, rv = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+    qm, km = torch.nn.Module(), torch.nn.Module()
+    qm.weight, qm.variance_epsilon, km.weight, km.variance_epsilon = qn, 1e-6, kn, 1e-6
+    ref_q = apply_rope(rms_norm(rq.view(b, t, hq, d), qm).transpose(1, 2), cos, sin).transpose(1, 2)
+    ref_k = apply_rope(rms_norm(rk.view(b, t, hkv, d), km).transpose(1, 2), cos, sin)     # (B, Hkv, T, D)
+    idx = pos[:, None, :, None].expand(b, hkv, t, d)
+    rows.append(("qk_norm_rope_write q", *rel_err(q, ref_q)))
+    rows.append(("qk_norm_rope_write k in cache", *rel_err(kc[:b].gather(2, idx), ref_k)))
+    rows.append(("qk_norm_rope_write v in cache",
+                 *rel_err(vc[:b].gather(2, idx), rv.view(b, t, hkv, d).transpose(1, 2))))
     # the vision tower's rotary (the 32B tower's 16 heads of 72) against transformers' own
     from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision
 

@@ -107,6 +107,7 @@ class Fp8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.compute_dtype = linear.weight.dtype
         self.fast = _has_fp8_mm(w8.device) and self.in_features % 16 == 0 and self.out_features % 16 == 0
+        self.weight_only_rows = WEIGHT_ONLY_MAX_ROWS
 
     @classmethod
     def from_parts(cls, weight: torch.Tensor, scale: torch.Tensor, compute_dtype: torch.dtype) -> "Fp8Linear":
@@ -119,10 +120,11 @@ class Fp8Linear(nn.Module):
         m.out_features, m.in_features = weight.shape
         m.compute_dtype = compute_dtype
         m.fast = _has_fp8_mm(weight.device) and m.in_features % 16 == 0 and m.out_features % 16 == 0
+        m.weight_only_rows = WEIGHT_ONLY_MAX_ROWS
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        few_rows = x.numel() <= WEIGHT_ONLY_MAX_ROWS * self.in_features
+        few_rows = x.numel() <= self.weight_only_rows * self.in_features
         if few_rows and available(x):
             return stream_linear(x, self.weight, self.weight_scale, self.bias)
         if few_rows or not self.fast:           # few rows without the kernels (CPU, reference_only())
@@ -133,7 +135,7 @@ class Fp8Linear(nn.Module):
         """True where `forward` would quantise an input with as many rows as `rows_of` (..., any)
         for `_scaled_mm` with the kernels on: then the op that makes the input hands it over
         quantised instead (`fused_ops`' quantize=True), for `forward_fp8`."""
-        return self.fast and rows_of.numel() > WEIGHT_ONLY_MAX_ROWS * rows_of.shape[-1] and available(rows_of)
+        return self.fast and rows_of.numel() > self.weight_only_rows * rows_of.shape[-1] and available(rows_of)
 
     def forward_fp8(self, xq: torch.Tensor, x_scale: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """`forward(x)` from x's M rows already quantised ((xq, x_scale) = `quantize_rows(x)`);

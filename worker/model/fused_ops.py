@@ -195,12 +195,12 @@ if triton is not None:
                                    scaling, eps, T, HQ: tl.constexpr, HKV: tl.constexpr,
                                    D: tl.constexpr, NH: tl.constexpr, TABLE: tl.constexpr, GDC: tl.constexpr):
         gdc_enter(GDC)
-        row = tl.program_id(0)               # b * T + t: one token, NH of its heads per program
+        row = tl.program_id(0)               # b * T + t: every head of one token in one program
         b = row // T
         t = row % T
         half: tl.constexpr = D // 2
         pos = tl.load(START + b) + t         # cache index of this token
-        h = tl.program_id(1) * NH + tl.arange(0, NH)     # q heads, then k heads, then v heads
+        h = tl.arange(0, NH)                 # q heads, then k heads, then v heads (padded to NH)
         d = tl.arange(0, D)
         partner = (d + half) % D
         valid = (h < HQ + 2 * HKV)[:, None] & (d[None, :] < D)
@@ -421,12 +421,6 @@ def _unwritten_output(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _unwritten_outputs[key]
 
 
-# heads per program of `qk_norm_rope_write`: the 32B stack's 80 (64 q + 8 k + 8 v) in 5 programs a token
-# (one program of 80 padded to 128 heads before: 95 us a prefill layer against a ~59 us floor; a
-# verify(8) step at batch 1 ran its 64 layers' 8 tokens on 8 programs), the expert's 32 in 2
-ROPE_HEADS = 16
-
-
 def qk_norm_rope_write(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_norm_weight: torch.Tensor,
                        k_norm_weight: torch.Tensor, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        start: torch.Tensor, rope_delta: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None,
@@ -446,13 +440,12 @@ def qk_norm_rope_write(qkv: torch.Tensor, q_heads: int, kv_heads: int, q_norm_we
         rope_delta = inv_freq = start
     else:
         cos = sin = rows
-    nh = min(ROPE_HEADS, triton.next_power_of_2(heads))
-    _qk_norm_rope_write_kernel[(b * t, triton.cdiv(heads, nh))](
+    _qk_norm_rope_write_kernel[(b * t,)](
         rows, q, k_cache, v_cache, q_norm_weight, k_norm_weight, start, rope_delta, inv_freq, cos, sin,
         rows.stride(0), q_heads * d, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), scaling, eps, t,
-        HQ=q_heads, HKV=kv_heads, D=d, NH=nh, TABLE=cos_sin is not None,
-        num_warps=4 if nh * d > 1024 else 2, **launch_args(rows))
+        HQ=q_heads, HKV=kv_heads, D=d, NH=triton.next_power_of_2(heads), TABLE=cos_sin is not None,
+        num_warps=4 if heads > 32 else 2, **launch_args(rows))
     return q
 
 

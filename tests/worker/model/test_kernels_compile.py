@@ -47,7 +47,7 @@ def _cases():
     for table in (False, True):
         yield (f"qk_norm_rope_write, table={table}", fused_ops._qk_norm_rope_write_kernel,
                dict(QKV=bf, QO=bf, KC=bf, VC=bf, QW=bf, KW=bf, START=i64, DELTA=i64, INV_FREQ=f32, COS=bf, SIN=bf),
-               dict(HQ=64, HKV=8, D=128, NH=fused_ops.ROPE_HEADS, TABLE=table, GDC=True), 4)
+               dict(HQ=64, HKV=8, D=128, NH=128, TABLE=table, GDC=True), 4)
     yield ("silu_mul", fused_ops._silu_mul_kernel, dict(GU=bf, Y=bf), dict(BLOCK=fused_ops.SILU_BLOCK, GDC=True), 4)
     for gelu, one_pass, n in ((False, True, 25600), (False, False, 40000), (True, True, 4304), (True, False, 40000)):
         pieces = fused_ops.row_pieces(n) if one_pass else (4096, 0, 0)
