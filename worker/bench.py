@@ -365,7 +365,7 @@ def to_fp8(rt, model) -> None:
     rt.graphs.clear()
     quantize_model_fp8(model)
     rt.decoder.fuse()
-    rt.expert.stack.fuse()
+    rt.expert.fuse()
 
 
 def decode_path_targets(steps: dict, lp: dict, hf: dict, expert_s: float, floor_s: float, wb: int, bw: float,

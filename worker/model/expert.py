@@ -15,11 +15,20 @@ import torch
 
 from worker.model.attention import attend
 from worker.model.decoder import StaticKVCache, qkv, rope_cos_sin
+from worker.model.fp8 import Fp8Linear
 from worker.model.fused_ops import available as fused_available
 from worker.model.graphs import GraphCache
 from worker.model.layers import FusedStack
 from worker.model.modules import ExpertModel
 from worker.model.sampling import normal
+
+
+# The expert's fp8 gate/up (12,288 x 1,536) takes `_scaled_mm` from this many rows on, not from
+# fp8.WEIGHT_ONLY_MAX_ROWS: at batch 1 (64 rows) the weight-only kernel ran 16.8 us, its best tile
+# 16.3, `_scaled_mm` 10.8 with the rows' quantisation (H200, 2026-12-03, `.run/ab21.py`); its short
+# K gives the streaming tiles too few steps to hide their latency. The other three products stay
+# weight-only there (q/k/v 9.2 against 9.7, o 8.2 against 10.7, down 11.2 against 20.4).
+GATE_UP_WEIGHT_ONLY_ROWS = 32
 
 
 class ActionExpert:
@@ -31,6 +40,19 @@ class ActionExpert:
         self.rope_scaling = float(getattr(expert.expert.rotary_emb, "attention_scaling", 1.0))
         self.num_waypoints = num_waypoints
         self.stack = FusedStack(expert.expert.layers, self.head_dim)
+        self._route_gate_up()
+
+    def fuse(self) -> None:
+        """Fuse the layers' products again after swapping weights (e.g. fp8 quantisation)."""
+        self.stack.fuse()
+        self._route_gate_up()
+
+    def _route_gate_up(self) -> None:
+        """fp8 gate/up products multiply fp8 x fp8 from GATE_UP_WEIGHT_ONLY_ROWS + 1 rows."""
+        for _, gate_up, _ in self.stack.parts:
+            for m in gate_up if isinstance(gate_up, tuple) else (gate_up,):
+                if isinstance(m, Fp8Linear):
+                    m.weight_only_rows = GATE_UP_WEIGHT_ONLY_ROWS
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cache: StaticKVCache, offset: torch.Tensor,
                  rope_delta: torch.Tensor, context_len: int) -> torch.Tensor:
