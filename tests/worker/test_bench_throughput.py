@@ -154,28 +154,17 @@ def test_fp8_conversion_leaves_no_fused_product_of_either_stack_in_bf16():
         for qkv, gate_up, _ in stack.parts:
             for proj in (qkv, gate_up):
                 assert all(isinstance(m, Fp8Linear) for m in (proj if isinstance(proj, tuple) else (proj,)))
-    assert_expert_gate_up_routed(rt)
+    assert_expert_routing(rt)
 
 
-def assert_expert_gate_up_routed(rt):
-    """The expert's fp8 gate/up take `_scaled_mm` from GATE_UP_WEIGHT_ONLY_ROWS + 1 rows; every other
-    fp8 product from fp8.WEIGHT_ONLY_MAX_ROWS + 1."""
-    from worker.model.expert import GATE_UP_WEIGHT_ONLY_ROWS
+def assert_expert_routing(rt):
+    """The expert's fp8 q/k/v and gate/up take `_scaled_mm` above expert.WEIGHT_ONLY_ROWS rows; every
+    other fp8 product above fp8.WEIGHT_ONLY_MAX_ROWS."""
+    from worker.model import expert
     from worker.model.fp8 import WEIGHT_ONLY_MAX_ROWS
 
-    assert GATE_UP_WEIGHT_ONLY_ROWS < WEIGHT_ONLY_MAX_ROWS
+    assert expert.WEIGHT_ONLY_ROWS < WEIGHT_ONLY_MAX_ROWS
     for qkv, gate_up, _ in rt.expert.stack.parts:
-        assert gate_up.weight_only_rows == GATE_UP_WEIGHT_ONLY_ROWS and qkv.weight_only_rows == WEIGHT_ONLY_MAX_ROWS
+        assert gate_up.weight_only_rows == qkv.weight_only_rows == expert.WEIGHT_ONLY_ROWS
     for qkv, gate_up, _ in rt.decoder.stack.parts:
         assert gate_up.weight_only_rows == qkv.weight_only_rows == WEIGHT_ONLY_MAX_ROWS
-
-
-def test_a_checkpoint_loaded_for_fp8_routes_the_experts_gate_up_as_the_bench_does(tmp_path):
-    import torch
-
-    from worker.demo.layout import write_random_checkpoint
-    from worker.model.runtime import AlpamayoRuntime
-
-    rt = AlpamayoRuntime.load(write_random_checkpoint(tmp_path / "ckpt"), device="cpu", dtype=torch.float32,
-                              precision="fp8")
-    assert_expert_gate_up_routed(rt)

@@ -23,12 +23,15 @@ from worker.model.modules import ExpertModel
 from worker.model.sampling import normal
 
 
-# The expert's fp8 gate/up (12,288 x 1,536) takes `_scaled_mm` from this many rows on, not from
-# fp8.WEIGHT_ONLY_MAX_ROWS: at batch 1 (64 rows) the weight-only kernel ran 16.8 us, its best tile
-# 16.3, `_scaled_mm` 10.8 with the rows' quantisation (H200, 2026-12-03, `.run/ab21.py`); its short
-# K gives the streaming tiles too few steps to hide their latency. The other three products stay
-# weight-only there (q/k/v 9.2 against 9.7, o 8.2 against 10.7, down 11.2 against 20.4).
-GATE_UP_WEIGHT_ONLY_ROWS = 32
+# The expert's fp8 q/k/v (4,096 x 1,536) and gate/up (12,288 x 1,536) take `_scaled_mm` above this
+# many rows, not above fp8.WEIGHT_ONLY_MAX_ROWS: their short K leaves the weight-streaming tiles too
+# few steps to hide their latency. H200, 2026-12-03, batch 1 (64 rows), alone (`.run/ab21.py`):
+# gate/up 16.8 us weight-only (16.3 with its best tile), 10.8 with `_scaled_mm` and the rows'
+# quantisation; q/k/v 9.2 against 9.7 alone, but whole scenes (`.run/ab21b.py`, 8 each, medians)
+# ran diffusion 63.1 ms weight-only, 51.9 with gate/up routed, 48.7 with both (one scene 630.7 /
+# 620.8 / 615.7 ms): the norm hands them quantised rows. o and down stay weight-only (8.2 against
+# 10.7, 11.2 against 20.4).
+WEIGHT_ONLY_ROWS = 32
 
 
 class ActionExpert:
@@ -40,19 +43,19 @@ class ActionExpert:
         self.rope_scaling = float(getattr(expert.expert.rotary_emb, "attention_scaling", 1.0))
         self.num_waypoints = num_waypoints
         self.stack = FusedStack(expert.expert.layers, self.head_dim)
-        self._route_gate_up()
+        self._route_short_products()
 
     def fuse(self) -> None:
         """Fuse the layers' products again after swapping weights (e.g. fp8 quantisation)."""
         self.stack.fuse()
-        self._route_gate_up()
+        self._route_short_products()
 
-    def _route_gate_up(self) -> None:
-        """fp8 gate/up products multiply fp8 x fp8 from GATE_UP_WEIGHT_ONLY_ROWS + 1 rows."""
-        for _, gate_up, _ in self.stack.parts:
-            for m in gate_up if isinstance(gate_up, tuple) else (gate_up,):
+    def _route_short_products(self) -> None:
+        """fp8 q/k/v and gate/up products multiply fp8 x fp8 above WEIGHT_ONLY_ROWS rows."""
+        for qkv, gate_up, _ in self.stack.parts:
+            for m in (*(qkv if isinstance(qkv, tuple) else (qkv,)), *(gate_up if isinstance(gate_up, tuple) else (gate_up,))):
                 if isinstance(m, Fp8Linear):
-                    m.weight_only_rows = GATE_UP_WEIGHT_ONLY_ROWS
+                    m.weight_only_rows = WEIGHT_ONLY_ROWS
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cache: StaticKVCache, offset: torch.Tensor,
                  rope_delta: torch.Tensor, context_len: int) -> torch.Tensor:

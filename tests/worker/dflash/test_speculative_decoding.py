@@ -18,6 +18,7 @@ from worker.model.config import AlpamayoConfig
 from worker.model.runtime import AlpamayoRuntime
 
 from tests.worker.graph_replay import use_replaying_graphs
+from tests.worker.test_bench_throughput import assert_expert_routing
 from tests.worker.model.test_runtime import ExpertInputs, assert_same_expert_inputs, scene
 
 
@@ -417,6 +418,7 @@ def test_fp8_profiles_propose_through_fp8_weights_and_stay_lossless(ckpt, head):
     assert isinstance(proposer.draft.fc, Fp8Linear) and isinstance(proposer.draft.layers[0].mlp.down_proj, Fp8Linear)
     assert type(proposer.draft.selector.q_proj) is torch.nn.Linear
     assert bf16.speculator.proposer.head is bf16.model.lm_head
+    assert_expert_routing(spec)            # a checkpoint loaded for fp8 routes the expert as `bench.to_fp8` does
     assert type(bf16.speculator.proposer.draft.fc) is torch.nn.Linear
     for r in (base, spec):
         r.trajectory_max_new = 24
