@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             # layer by layer (tests/worker/model/test_fp8_vision_tower.py; H200, 2026-12-02: bf16
             # 1.4-1.8e-2, fp32 2.1-2.8e-2, the vision tower's), so its rows get FP8_PREFILL_BOUND
             # (half of e4m3's largest relative step) in either dtype: a wrong scale or layout is O(1)
-            # (the fp8 expert's rows too: more than fp8.WEIGHT_ONLY_MAX_ROWS rows multiply fp8 x fp8)
+            # (the fp8 expert too: its q/k/v and gate/up go fp8 x fp8 above expert.WEIGHT_ONLY_ROWS rows)
             ok = err <= (FP8_PREFILL_BOUND if name.startswith(("fp8 prefill", "fp8 expert")) else bound[dtype])
             failed += not ok
             print(f"| {name} | model {model_shape} | {str(dtype)[6:]} | {err:.2e} | {mx:.2e} | {'ok' if ok else 'FAIL'} |")

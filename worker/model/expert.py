@@ -53,9 +53,10 @@ class ActionExpert:
     def _route_short_products(self) -> None:
         """fp8 q/k/v and gate/up products multiply fp8 x fp8 above WEIGHT_ONLY_ROWS rows."""
         for qkv, gate_up, _ in self.stack.parts:
-            for m in (*(qkv if isinstance(qkv, tuple) else (qkv,)), *(gate_up if isinstance(gate_up, tuple) else (gate_up,))):
-                if isinstance(m, Fp8Linear):
-                    m.weight_only_rows = WEIGHT_ONLY_ROWS
+            for proj in (qkv, gate_up):
+                for m in proj if isinstance(proj, tuple) else (proj,):
+                    if isinstance(m, Fp8Linear):
+                        m.weight_only_rows = WEIGHT_ONLY_ROWS
 
     def velocity(self, x: torch.Tensor, t: torch.Tensor, cache: StaticKVCache, offset: torch.Tensor,
                  rope_delta: torch.Tensor, context_len: int) -> torch.Tensor:
