@@ -98,6 +98,8 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Fp8Linear(nn.Module):
     """y = x W^T + b with W (out, in) stored as e4m3 and scale (out,) fp32: W ≈ W8 * scale[:, None]."""
 
+    weight_only_rows = WEIGHT_ONLY_MAX_ROWS     # weight-only product up to this many rows (a module may set its own)
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         w8, scale = quantize_weight(linear.weight)
@@ -107,7 +109,6 @@ class Fp8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.compute_dtype = linear.weight.dtype
         self.fast = _has_fp8_mm(w8.device) and self.in_features % 16 == 0 and self.out_features % 16 == 0
-        self.weight_only_rows = WEIGHT_ONLY_MAX_ROWS
 
     @classmethod
     def from_parts(cls, weight: torch.Tensor, scale: torch.Tensor, compute_dtype: torch.dtype) -> "Fp8Linear":
@@ -120,7 +121,6 @@ class Fp8Linear(nn.Module):
         m.out_features, m.in_features = weight.shape
         m.compute_dtype = compute_dtype
         m.fast = _has_fp8_mm(weight.device) and m.in_features % 16 == 0 and m.out_features % 16 == 0
-        m.weight_only_rows = WEIGHT_ONLY_MAX_ROWS
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
