@@ -152,6 +152,15 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
 
 
+def to_host(x: torch.Tensor) -> torch.Tensor:
+    """A device tensor copied into pinned host memory without waiting for the GPU (CUDA: read it
+    after an event recorded behind the copy has completed); on the CPU the tensor itself."""
+    if x.device.type != "cuda":
+        return x
+    out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    return out.copy_(x, non_blocking=True)
+
+
 def mrope_positions(input_ids: torch.Tensor, image_grid: torch.Tensor, image_token_id: int,
                     merge_size: int) -> tuple[torch.Tensor, int]:
     """Qwen3-VL multimodal rotary positions for one prompt.

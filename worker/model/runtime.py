@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -24,7 +24,7 @@ import torch
 
 from schemas import TASKS_NEEDING_EGOMOTION
 from worker.model import text_tasks
-from worker.model.action_space import action_to_trajectory, quat_wxyz_to_matrix
+from worker.model.action_space import action_to_trajectory, estimate_initial_speed, quat_wxyz_to_matrix
 from worker.model.checker import SceneChecker, checker_inputs, load_checker
 from worker.model.checkpoint import load_model
 from worker.model.config import AlpamayoConfig, TokenIds
@@ -34,14 +34,15 @@ from worker.model.fast_vision import fast_vision_paths
 from worker.model.fused_ops import available as fused_available
 from worker.model.generate import Speculator, baseline_decode, start_batch
 from worker.model.graphs import GraphCache, bucket
-from worker.model.inputs import ImageProcessing, PromptBuilder, PromptSpec, mrope_positions, to_device
+from worker.model.inputs import ImageProcessing, PromptBuilder, PromptSpec, mrope_positions, to_device, to_host
 from worker.model.sampling import SamplingParams, sample_key
+from worker.model.staging import StagedFrames
 from worker.model.tokenizer import generation_stop_ids, load_chat_template, load_tokenizer
 from worker.model.trajectory_tokens import future_tokenizer_from_config, history_tokenizer_from_config
 from worker.uncertainty import checker_disagreement
 
 TRAJECTORY_MAX_NEW = 256
-PREP_THREADS = min(8, os.cpu_count() or 1)     # scenes whose frames are staged at once (`_stage`)
+PREP_THREADS = min(8, os.cpu_count() or 1)     # frame pieces staged at once (worker/model/staging.py)
 CALIBRATION_CONTEXT = 4400     # live positions per row when step costs are measured (a 24-image prompt)
 CPU_CALIBRATION_CONTEXT = 256  # the same on the CPU reference path (the tests' small scenes)
 DEFAULT_MAX_NEW = {"trajectory": TRAJECTORY_MAX_NEW, "meta_action": 512, "auto_labeling": 1024,
@@ -140,8 +141,8 @@ class _Prepared:
     grid: torch.Tensor
     hist_xyz: torch.Tensor | None
     hist_rot: torch.Tensor | None
-    image_prep_ms: float                          # host work: prompt, frames staging (`_stage`)
-    staged: Future                                # -> (staged frames or CPU pixel values, host ms): `_stage`
+    image_prep_ms: float                          # host work: prompt, frames staging
+    staged: StagedFrames                          # the frames on their way to the device
     pixel_values: torch.Tensor | None = None      # set by AlpamayoRuntime._pixel_values
 
 
@@ -238,9 +239,9 @@ class AlpamayoRuntime:
 
     # ------------------------------------------------------------------ per-scene preparation
     def _prepare(self, req: SceneRequest, pool: ThreadPoolExecutor | None = None) -> _Prepared:
-        """A scene's prompt, positions and egomotion; its frames' host work (`_stage`) runs in `pool`
-        when given, started before the prompt work (collected by `_pixel_values` just before the
-        scene's prefill, so later scenes' frames are staged while earlier scenes prefill), else
+        """A scene's prompt, positions and egomotion; its frames' host work (`StagedFrames`) runs in
+        `pool` when given, started before the prompt work (collected by `_pixel_values` just before
+        the scene's prefill, so later scenes' frames are staged while earlier scenes prefill), else
         here, pixel values included."""
         t0 = time.perf_counter()
         grid = self.image_proc.grid(req.frames)
@@ -248,7 +249,7 @@ class AlpamayoRuntime:
             raise InferenceError("missing_egomotion", f"task {req.task} needs egomotion history")
         if req.task == "auto_labeling" and (req.ego_future_xyz is None or req.ego_future_rot is None):
             raise InferenceError("missing_future_egomotion", "auto_labeling needs the future egomotion")
-        staged = pool.submit(self._stage, req.frames) if pool is not None else Future()
+        staged = StagedFrames(req.frames, self.image_proc, self.device, self.dtype, pool)
         hist_xyz = hist_rot = None
         history_ids = future_ids = None
         if req.task in TASKS_NEEDING_EGOMOTION:
@@ -268,33 +269,16 @@ class AlpamayoRuntime:
         spec = PromptSpec(req.task, tuple(req.camera_ids), req.num_frames, tokens_per_image, req.nav_text, req.question)
         input_ids = self.prompts.encode(spec, history_ids, future_ids)
         positions, delta = mrope_positions(input_ids, grid, self.ids.image_pad, self.image_proc.merge_size)
-        if pool is None:
-            staged.set_result(self._stage(req.frames))
         p = _Prepared(req, input_ids, positions, delta, grid, hist_xyz, hist_rot, (time.perf_counter() - t0) * 1000.0,
                       staged)
         if pool is None:
             self._pixel_values(p)
         return p
 
-    def _stage(self, frames: np.ndarray) -> tuple[torch.Tensor, float]:
-        """Host work on one scene's frames (thread-safe; numpy and torch release the GIL): on CUDA a
-        pinned copy, which the device copy then reads asynchronously; on the CPU the whole
-        preprocessing (resize, normalise, patchify) -> pixel values. -> (tensor, milliseconds)."""
-        t0 = time.perf_counter()
-        x = torch.from_numpy(np.ascontiguousarray(frames))
-        if self.device.type == "cuda":
-            x = x.pin_memory()
-        else:
-            x = self.image_proc(x)[0].to(self.dtype)
-        return x, (time.perf_counter() - t0) * 1000.0
-
     def _pixel_values(self, p: _Prepared) -> torch.Tensor:
-        """The scene's pixel values on the device (CUDA: copy and preprocess there, no sync)."""
+        """The scene's pixel values on the device (CUDA: copied and preprocessed there, no sync)."""
         if p.pixel_values is None:
-            x, host_ms = p.staged.result()
-            if self.device.type == "cuda":
-                x = self.image_proc(x.to(self.device, non_blocking=True))[0].to(self.dtype)
-            p.pixel_values = x
+            p.pixel_values, host_ms = p.staged.pixel_values()
             p.image_prep_ms += host_ms
         return p.pixel_values
 
@@ -455,34 +439,44 @@ class AlpamayoRuntime:
                 batch, spec_rows = self.speculator.decode(self.decoder, batch, group=(task, k))
             else:
                 batch = baseline_decode(self.decoder, batch)
+        # the tokens go to the host (pinned, no sync) before the expert, whose diffusion then runs
+        # on the device while the host decodes the texts and the rows' initial speeds
+        generated, n_gen = (to_host(x) for x in (batch.generated[:, :max(max_new)], batch.n_generated))
+        copied = torch.cuda.Event() if dev.type == "cuda" else None
+        if copied is not None:
+            copied.record()
         trajectories = rotations = None
         diffusion_ms = 0.0
-        if task == "trajectory":
-            with _Clock(dev) as c_diff:
-                hist_xyz = torch.cat([p.hist_xyz for p in ok]).repeat_interleave(k, 0)
-                hist_rot = torch.cat([p.hist_rot for p in ok]).repeat_interleave(k, 0)
+        with _Clock(dev) as c_diff:
+            if task == "trajectory":
                 action = self.expert.sample(cache, batch.lengths, batch.rope_delta, params.key,
                                             self.cfg.diffusion.num_inference_steps,
                                             graphs=self.graphs if cache is self.decoder.persistent else None)[:real]
-                xyz, rot = action_to_trajectory(action.cpu(), hist_xyz, hist_rot, self.cfg.action_space)
+                hist_xyz = torch.cat([p.hist_xyz for p in ok]).repeat_interleave(k, 0)
+                hist_rot = torch.cat([p.hist_rot for p in ok]).repeat_interleave(k, 0)
+                v0 = estimate_initial_speed(hist_xyz, hist_rot, self.cfg.action_space)
+            if copied is not None:
+                copied.synchronize()
+            for s, p in enumerate(ok):
+                res = results[p.req.request_id]
+                for j in range(k):
+                    r = s * k + j
+                    toks = generated[r, :int(n_gen[r])].tolist()
+                    text = text_tasks.extract_text(self.tok.decode(toks, skip_special_tokens=False))
+                    res.texts.append(text)
+                    res.outputs.append(text_tasks.parse_task_output(task, text))
+                    res.generated_tokens.append(len(toks))
+                    res.token_ids.append(toks)
+                    if task == "trajectory" and ids.traj_future_start not in toks:
+                        res.warnings.append(f"sample {j}: reasoning hit the {len(toks)}-token cap before "
+                                            "<|traj_future_start|>; the expert used the last position")
+            if task == "trajectory":
+                xyz, rot = action_to_trajectory(action.cpu(), hist_xyz, hist_rot, self.cfg.action_space, v0=v0)
                 trajectories, rotations = xyz.numpy(), rot.numpy()
+        if task == "trajectory":
             diffusion_ms = c_diff.ms
-        generated = batch.generated[:, :max(max_new)].cpu()
-        n_gen = batch.n_generated.cpu()
         for s, p in enumerate(ok):
             res = results[p.req.request_id]
-            for j in range(k):
-                r = s * k + j
-                toks = generated[r, :int(n_gen[r])].tolist()
-                text = text_tasks.extract_text(self.tok.decode(toks, skip_special_tokens=False))
-                out = text_tasks.parse_task_output(task, text)
-                res.texts.append(text)
-                res.outputs.append(out)
-                res.generated_tokens.append(len(toks))
-                res.token_ids.append(toks)
-                if task == "trajectory" and ids.traj_future_start not in toks:
-                    res.warnings.append(f"sample {j}: reasoning hit the {len(toks)}-token cap before "
-                                        "<|traj_future_start|>; the expert used the last position")
             if trajectories is not None:
                 res.trajectories = trajectories[s * k:(s + 1) * k]
                 res.rotations = rotations[s * k:(s + 1) * k]

@@ -372,13 +372,17 @@ def test_loading_logs_one_line_per_shard(ckpt, caplog):
 
 
 def test_frames_are_staged_on_the_prep_pool_with_the_same_pixels(rt, monkeypatch):
+    from worker.model import staging
+
     req = scene(3)
     pooled = rt._prepare(req, rt._prep_pool)
     eager = rt._prepare(req)
     direct = rt.image_proc(torch.from_numpy(req.frames))[0]      # the preprocessing of every scene before
     assert torch.equal(rt._pixel_values(pooled), eager.pixel_values) and torch.equal(eager.pixel_values, direct)
-    threads, stage = [], rt._stage
-    monkeypatch.setattr(rt, "_stage", lambda frames: (threads.append(threading.current_thread().name), stage(frames))[1])
+    threads, preprocess = [], staging.StagedFrames._preprocess
+    monkeypatch.setattr(staging.StagedFrames, "_preprocess",
+                        lambda self, frames: (threads.append(threading.current_thread().name),
+                                              preprocess(self, frames))[1])
     first = rt.run([scene(1), scene(2)])
     assert len(threads) == 2 and all(t.startswith("image-prep") for t in threads), threads
     monkeypatch.undo()
@@ -394,9 +398,9 @@ def test_frames_are_staged_before_the_prompt_work(rt, monkeypatch):
     order = []
 
     class Pool:
-        def submit(self, fn, frames):
+        def submit(self, fn, frames, *span):
             order.append(("stage", len(frames)))
-            return rt._prep_pool.submit(fn, frames)
+            return rt._prep_pool.submit(fn, frames, *span)
     encode = rt.prompts.encode
     monkeypatch.setattr(rt.prompts, "encode", lambda *a: (order.append(("prompt", 0)), encode(*a))[1])
     req = scene(3)

@@ -1,0 +1,67 @@
+"""A scene's frames staged in pieces (worker/model/staging.py): the device path, exercised on the
+CPU (`on_device=True`: the buffer unpinned, each piece "sent" to the CPU and preprocessed there)."""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from worker.model.inputs import ImageProcessing
+from worker.model.staging import PIECE_FRAMES, StagedFrames
+
+PROC = ImageProcessing()
+
+
+def frames(n=24, hw=(90, 160), seed=0):
+    return np.random.default_rng(seed).integers(0, 256, (n, *hw, 3), dtype=np.uint8)
+
+
+def test_pieces_give_exactly_the_whole_scenes_pixel_values():
+    f = frames(n=2 * PIECE_FRAMES + 1)          # a short last piece too
+    whole = PROC(torch.from_numpy(f))[0].to(torch.bfloat16)
+    with ThreadPoolExecutor(4) as pool:
+        staged = StagedFrames(f, PROC, torch.device("cpu"), torch.bfloat16, pool, on_device=True)
+        assert len(staged.pieces) == 3
+        pixels, host_ms = staged.pixel_values()
+    assert torch.equal(pixels, whole) and host_ms > 0
+    assert staged.host is None                  # the staging buffer goes back to the allocator
+    cpu = StagedFrames(f, PROC, torch.device("cpu"), torch.bfloat16, None)      # the CPU path: one task
+    assert len(cpu.pieces) == 1 and torch.equal(cpu.pixel_values()[0], whole)
+
+
+def test_the_first_piece_is_preprocessed_while_the_last_is_still_being_copied(monkeypatch):
+    """The device copies and resizes the first pieces while the host copies the last (before, the
+    device waited for the whole scene's host copy): the last piece's copy here waits until the first
+    piece has been preprocessed, which the old whole-scene staging could never let happen."""
+    first_done = threading.Event()
+    events = []
+    copy = StagedFrames._copy
+
+    def slow_copy(self, f, a, b):
+        if b == len(f):
+            events.append(("last copy waited", first_done.wait(timeout=10)))
+        return copy(self, f, a, b)
+
+    class Proc:
+        def __call__(self, x):
+            events.append(("preprocessed", len(x)))
+            first_done.set()
+            return PROC(x)
+    monkeypatch.setattr(StagedFrames, "_copy", slow_copy)
+    f = frames()
+    with ThreadPoolExecutor(4) as pool:
+        staged = StagedFrames(f, Proc(), torch.device("cpu"), torch.float32, pool, on_device=True)
+        pixels, _ = staged.pixel_values()
+    assert events[0] == ("preprocessed", PIECE_FRAMES) and ("last copy waited", True) in events
+    assert torch.equal(pixels, PROC(torch.from_numpy(f))[0])
+
+
+def test_pieces_are_copied_on_the_pool_threads(monkeypatch):
+    names = []
+    copy = StagedFrames._copy
+    monkeypatch.setattr(StagedFrames, "_copy",
+                        lambda self, f, a, b: (names.append(threading.current_thread().name), copy(self, f, a, b))[1])
+    with ThreadPoolExecutor(2, thread_name_prefix="image-prep") as pool:
+        StagedFrames(frames(), PROC, torch.device("cpu"), torch.float32, pool, on_device=True).pixel_values()
+    assert len(names) == 24 // PIECE_FRAMES and all(n.startswith("image-prep") for n in names)
