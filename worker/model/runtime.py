@@ -34,7 +34,7 @@ from worker.model.fast_vision import fast_vision_paths
 from worker.model.fused_ops import available as fused_available
 from worker.model.generate import Speculator, baseline_decode, start_batch
 from worker.model.graphs import GraphCache, bucket
-from worker.model.inputs import ImageProcessing, PromptBuilder, PromptSpec, mrope_positions, to_device, to_host
+from worker.model.inputs import ImageProcessing, PromptBuilder, PromptSpec, to_device, to_host
 from worker.model.sampling import SamplingParams, sample_key
 from worker.model.staging import StagedFrames
 from worker.model.tokenizer import generation_stop_ids, load_chat_template, load_tokenizer
@@ -268,7 +268,7 @@ class AlpamayoRuntime:
         tokens_per_image = int(grid[0, 1] * grid[0, 2]) // self.image_proc.merge_size ** 2
         spec = PromptSpec(req.task, tuple(req.camera_ids), req.num_frames, tokens_per_image, req.nav_text, req.question)
         input_ids = self.prompts.encode(spec, history_ids, future_ids)
-        positions, delta = mrope_positions(input_ids, grid, self.ids.image_pad, self.image_proc.merge_size)
+        positions, delta = self.prompts.positions(spec, grid, self.image_proc.merge_size)
         p = _Prepared(req, input_ids, positions, delta, grid, hist_xyz, hist_rot, (time.perf_counter() - t0) * 1000.0,
                       staged)
         if pool is None:

@@ -189,3 +189,26 @@ def test_mrope_positions_are_qwen3_vls_per_token_positions(layout):
     got, delta = mrope_positions(torch.tensor(ids), torch.tensor(grid), image, merge)
     want, want_delta = _mrope_per_token(ids, grid, image, merge)
     assert torch.equal(got, want) and delta == want_delta
+
+
+def test_a_scenes_positions_come_from_its_spec_and_grid_once(ckpt, monkeypatch):
+    """A prompt's rotary positions depend on its image tokens' places and grids only, so scenes of
+    one spec share them (computed once, not per scene: most of a scene's host work before its first
+    kernel): they equal the positions of the scene's own ids, trajectory tokens in place."""
+    import worker.model.inputs as inputs
+
+    b = builder(ckpt)
+    grid = torch.tensor([[1, 4, 6]] * 4)
+    s = PromptSpec("trajectory", (0, 1), 2, 6)
+    calls = []
+    real = inputs.mrope_positions
+    monkeypatch.setattr(inputs, "mrope_positions", lambda *a: (calls.append(1), real(*a))[1])
+    history = [torch.arange(b.tokens_per_history) + b.ids.traj_token_range[0] + 7 * i for i in range(3)]
+    for h in history:
+        ids = b.encode(s, h, None)
+        pos, delta = b.positions(s, grid, 2)
+        want, want_delta = real(ids, grid, b.ids.image_pad, 2)
+        assert torch.equal(pos, want) and delta == want_delta
+    assert len(calls) == 1
+    other = b.positions(s, torch.tensor([[1, 6, 4]] * 4), 2)
+    assert len(calls) == 2 and not torch.equal(other[0], pos)
