@@ -22,7 +22,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from worker.model.decoder import StaticKVCache, TextDecoder
-from worker.model.graphs import GraphCache, copy_all
+from worker.model.graphs import GraphCache
 from worker.model.sampling import SamplingParams, sample
 
 
@@ -134,7 +134,8 @@ def run_step(decoder: TextDecoder, batch: DecodeBatch, name: str,
 
     key = (name, batch.rows, batch.generated.shape[1], batch.terminal.shape[0], greedy)
     out = graphs.run(key, captured, *inputs)
-    copy_all([getattr(batch, f) for f in STATE], out[:len(STATE)])
+    for f, t in zip(STATE, out):
+        getattr(batch, f).copy_(t)
     batch.steps += 1
     return out[len(STATE):]
 

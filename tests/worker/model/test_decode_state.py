@@ -4,7 +4,6 @@ device operations it takes (each one a kernel of every verify step's graph on th
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.worker.graph_replay import ReplayingGraphs
 from worker.model.generate import DecodeBatch
 
 
@@ -42,18 +41,3 @@ def test_record_writes_each_rows_committed_tokens_after_its_own_and_nothing_else
     assert torch.equal(b.generated, want) and torch.equal(b.n_generated, n0 + m)
     # one gather and one scatter for the whole block: the per-token loop took 5 operations a token
     assert len(ops.names) <= 10, ops.names
-
-
-def test_a_graphs_inputs_are_copied_in_one_call():
-    g = ReplayingGraphs()
-    xs = [torch.zeros(3), torch.zeros(2, dtype=torch.long), torch.zeros(4, dtype=torch.bool)]
-
-    def fn(a, b, c):
-        return (a + 1, b + 2, c | True)
-    g.run("k", fn, *xs)                         # capture
-    ops = Ops()
-    with ops:
-        out = g.run("k", fn, torch.ones(3), torch.ones(2, dtype=torch.long), xs[2])
-    assert torch.equal(out[0], torch.full((3,), 2.0)) and torch.equal(out[1], torch.full((2,), 3))
-    before_replay = ops.names[:ops.names.index("aten.add")]       # the fake replay copies its outputs after
-    assert [n for n in before_replay if "copy" in n] == ["aten._foreach_copy_"], ops.names
