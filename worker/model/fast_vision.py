@@ -113,6 +113,26 @@ def _equal_grid_position_ids(per_image: Callable) -> Callable:
     return position_ids
 
 
+VISION_GRAPHS = 4      # image grids (frame sizes) whose tower replays as a graph: each holds its activations
+
+
+def _graphed_tower(self, hidden_states, grid_thw, *, graphs, memo, **kwargs):
+    """Qwen3VLVisionModel.forward as one CUDA graph per image grid (on the host) and dtype, at most
+    `VISION_GRAPHS` of them (more grids run plainly). Launched op by op, a 24-image tower (27 blocks,
+    ~300 kernels) kept the H200's host ~1.0-1.5 ms a block behind a GPU that needs 1.0 once the
+    frames reached the device earlier (2026-12-03); a replay is one launch. The graph reads the
+    grid's tensors of `_from_host_grid`'s memo, kept alive here for as long as the tower lives.
+    Each call returns a new output object over the graph's buffers (the caller reassigns fields)."""
+    if grid_thw.device.type != "cpu" or set(kwargs) - {"return_dict"}:
+        return type(self).forward(self, hidden_states, grid_thw, **kwargs)
+    key = ("vision", tuple(map(tuple, grid_thw.tolist())), hidden_states.dtype, tuple(sorted(kwargs.items())))
+    if not graphs.holds(key) and graphs.count("vision") >= VISION_GRAPHS:
+        return type(self).forward(self, hidden_states, grid_thw, **kwargs)
+    out = graphs.run(key, lambda x: type(self).forward(self, x, grid_thw, **kwargs), hidden_states)
+    self.__dict__.setdefault("_graph_memo", {}).setdefault(key, list(memo.values()))
+    return type(out)(**{k: list(v) if isinstance(v, list) else v for k, v in out.items()})
+
+
 PRECOMPUTED = ("cu_seqlens", "max_seqlen", "position_ids", "interp_indices", "interp_weights")
 GRID_MEMO_ENTRIES = 64                 # grid-derived tensors kept on the device (a few per camera rig)
 
@@ -170,12 +190,14 @@ class fast_vision_paths:
     GRID_FUNCTIONS = ("get_vision_position_ids", "get_vision_attention_seqlens",
                       "get_vision_interpolation_indices_and_weights")
 
-    def __init__(self, model, prompt_ids: torch.Tensor | None = None):
+    def __init__(self, model, prompt_ids: torch.Tensor | None = None, graphs=None):
         """prompt_ids (P,) on the host: the one prompt the model is called with (input_ids =
-        prompt_ids[None] on the device, image_grid_thw on the host): the host-grid paths."""
+        prompt_ids[None] on the device, image_grid_thw on the host): the host-grid paths. graphs
+        (an enabled `graphs.GraphCache`, with prompt_ids): the tower replays as a CUDA graph."""
         self.vlm = model.vlm.model
         self.visual = self.vlm.visual
         self.prompt_ids = prompt_ids
+        self.graphs = graphs if graphs is not None and graphs.enabled and prompt_ids is not None else None
 
     def __enter__(self):
         from transformers.models.qwen3_vl import modeling_qwen3_vl  # heavy
@@ -197,6 +219,9 @@ class fast_vision_paths:
         self.patched += [(b.attn, "forward", types.MethodType(attention, b.attn)) for b in self.visual.blocks]
         block_fp8 = functools.partial(_vision_block_fp8, memo=lengths)
         self.patched += [(b, "forward", types.MethodType(block_fp8, b)) for b in self.visual.blocks if _fp8_block(b)]
+        if self.graphs is not None:
+            tower = functools.partial(_graphed_tower, graphs=self.graphs, memo=memo)
+            self.patched.append((self.visual, "forward", types.MethodType(tower, self.visual)))
         if self.prompt_ids is not None:
             image_id = self.vlm.config.image_token_id
             index = to_device((self.prompt_ids == image_id).nonzero().flatten(), device)

@@ -28,6 +28,13 @@ class GraphCache:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def holds(self, key) -> bool:
+        return key in self._graphs
+
+    def count(self, kind) -> int:
+        """Graphs whose key starts with `kind` (keys are tuples, their first item the kind)."""
+        return sum(1 for k in self._graphs if k[0] == kind)
+
     def clear(self) -> None:
         """Drop every graph (e.g. after swapping weights). Later captures use a new memory pool:
         capturing into a pool whose graphs were all freed trips an internal assert of torch's

@@ -293,7 +293,7 @@ class AlpamayoRuntime:
         try:
             with contextlib.ExitStack() as paths:
                 if fused:                   # the grid stays on the host (fast_vision: no device reads)
-                    paths.enter_context(fast_vision_paths(self.model, prompt_ids=p.input_ids))
+                    paths.enter_context(fast_vision_paths(self.model, prompt_ids=p.input_ids, graphs=self.graphs))
                     fused_kv = paths.enter_context(self.decoder.stack.prefilling())
                 out = self.model.vlm.model(
                     input_ids=to_device(p.input_ids[None], self.device), pixel_values=p.pixel_values,
