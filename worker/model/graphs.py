@@ -31,6 +31,11 @@ class GraphCache:
     def holds(self, key) -> bool:
         return key in self._graphs
 
+    def static_inputs(self, key) -> list[torch.Tensor] | None:
+        """The captured input buffers of `key` (None before its capture)."""
+        entry = self._graphs.get(key)
+        return None if entry is None else entry[1]
+
     def count(self, kind) -> int:
         """Graphs whose key starts with `kind` (keys are tuples, their first item the kind)."""
         return sum(1 for k in self._graphs if k[0] == kind)
@@ -59,7 +64,8 @@ class GraphCache:
             self.captures += 1
         graph, static_in, static_out = entry
         for dst, src in zip(static_in, inputs):
-            dst.copy_(src)
+            if dst is not src:                  # a caller may hand back the buffers themselves
+                dst.copy_(src)
         graph.replay()
         self.replays += 1
         return static_out
