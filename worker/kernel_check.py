@@ -262,6 +262,17 @@ def check_model(shape: str, dtype, dev, gen) -> list[tuple[str, float, float]]:
         h_ref = draft.block_hidden(emb, positions, [(ck[:, :, :s].clone(), cv[:, :, :s].clone())], visible)
         h_fused = draft.block_hidden_fused(emb, lengths, delta, [(ck, cv)])
     out.append(("draft block hidden", *rel_err(h_fused, h_ref)))
+    # the verify step's context write: target hidden states of a block -> the draft layers' K/V
+    hidden = {i: torch.randn(rows, hc.block_size, hc.hidden_size, device=dev, generator=gen).to(dtype)
+              for i in hc.target_layer_ids}
+    kf, vf = ck.clone(), cv.clone()
+    with torch.inference_mode():
+        draft.write_context_fused(hidden, lengths, delta, [(kf, vf)])
+        (k_ref, v_ref), = draft.context_kv(draft.project(hidden), positions)
+    cols = lengths[:, None] + torch.arange(hc.block_size, device=dev)
+    at = cols[:, None, :, None].expand(-1, hc.num_key_value_heads, -1, hc.head_dim)
+    out.append(("draft context write: K", *rel_err(kf.gather(2, at), k_ref)))
+    out.append(("draft context write: V", *rel_err(vf.gather(2, at), v_ref)))
     out += check_prefill(rt, "", dtype)
     to_fp8(rt, model)
     fp8_rows, (cache, ref_cache, delta) = check_decoder_steps(rt, "fp8 ", rows, cap, dtype, dev, gen)

@@ -19,6 +19,7 @@ def test_kernels_match_reference_ops_in_triton_interpreter():
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "| ok |" in line]
     for name in ("attention decode", "attention verify", "attention draft", "attention expert", "silu_mul",
                  "qk_norm_rope_write k in cache", "decoder step T=8: logits", "expert velocity", "draft block hidden",
+                 "draft context write: K", "draft context write: V",
                  "fp8 weight-only down", "fp8 weight-only odd", "fp8 decoder step T=8: logits", "fp8 expert velocity",
                  "prefill (399 tokens): logits", "prefill: layer 0 K", "fp8 prefill: captured hidden"):
         assert any(row.startswith(f"| {name} ") for row in rows), (name, proc.stdout)

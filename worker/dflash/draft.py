@@ -32,7 +32,8 @@ from worker.dflash.head import HeadConfig
 from worker.model.attention import attend
 from worker.model.decoder import apply_rope, rope_cos_sin
 from worker.model.fp8 import quantize_linears
-from worker.model.layers import FusedStack
+from worker.model.fused_ops import qk_norm_rope_write
+from worker.model.layers import FusedStack, concat_project, norm_eps, project
 
 
 class _RMSNorm(nn.Module):
@@ -166,6 +167,24 @@ class DraftModel(nn.Module):
             self._stack = FusedStack(self.layers, self.config.head_dim)
         h, _ = self._stack.run(block_emb, caches, start, rope_delta, self.inv_freq, 1.0, causal=False)
         return self._stack.final_norm(h, self.norm)
+
+    def write_context_fused(self, hidden: dict[int, torch.Tensor], start: torch.Tensor, rope_delta: torch.Tensor,
+                            caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """`project` and `context_kv` on the GPU path, the K/V written into each draft layer's context
+        cache (>= B, Hkv, L, D) at columns start[b]..start[b]+T-1 (rotary position + rope_delta[b]):
+        the hidden norm one kernel, and per layer the fused q/k/v product and one kernel that norms,
+        rotates and writes K and V (`qk_norm_rope_write`; its q, of no use to the context, costs the
+        q product's ~5 us). The eager norms, rotary and scatters were ~35 small kernels of every
+        verify step's ~0.45 ms tail on the H200 (torch.profiler, 2026-12-03). hidden {layer: (B, T, H)}."""
+        if self._stack is None:
+            self._stack = FusedStack(self.layers, self.config.head_dim)
+        x = torch.cat([hidden[i] for i in self.config.target_layer_ids], dim=-1).to(self.norm.weight.dtype)
+        feats = FusedStack.final_norm(project(self.fc, x), self.hidden_norm)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, caches)):
+            qkv_proj, _, (hq, hkv) = self._stack.parts[i]
+            a = layer.self_attn
+            qk_norm_rope_write(concat_project(qkv_proj, feats), hq, hkv, a.q_norm.weight, a.k_norm.weight,
+                               norm_eps(a.k_norm), k_cache, v_cache, start, rope_delta, self.inv_freq)
 
     def quantize_fp8(self) -> None:
         """fc's and the layers' products in e4m3 with per-channel scales (`fp8.Fp8Linear`), as the

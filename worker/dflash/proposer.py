@@ -62,6 +62,9 @@ class Proposer:
     def write_context(self, hidden: dict[int, torch.Tensor], start: torch.Tensor, rope_delta: torch.Tensor) -> None:
         """Project target hidden states {layer: (b, T, H)} and write their context K/V at positions
         start[b]..start[b]+T-1 of rows 0..b-1 (a prompt's: `write_prompts`)."""
+        if fused_available(start):
+            self.draft.write_context_fused(hidden, start, rope_delta, list(zip(self.k, self.v)))
+            return
         feats = self.draft.project(hidden)                                 # (b, T, H)
         b, t = feats.shape[:2]
         pos = start[:, None] + torch.arange(t, device=feats.device)        # (b, T) cache indices
