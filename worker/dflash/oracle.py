@@ -48,6 +48,14 @@ class OracleProposer:
     def __getattr__(self, name):          # begin, write_context, ... go to the real proposer
         return getattr(self.inner, name)
 
+    @property
+    def graphs(self):                     # set by the speculator's `begin`: the real proposer's graphs
+        return self.inner.graphs
+
+    @graphs.setter
+    def graphs(self, graphs) -> None:
+        self.inner.graphs = graphs
+
     def prepare(self, batch) -> None:
         """Put the reference, error rate and seed where the graphed loop steps read them: device
         buffers kept on the real proposer (the reference's: batch rows x the draft cache's

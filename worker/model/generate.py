@@ -107,8 +107,9 @@ _PARAMS = tuple(f.name for f in fields(SamplingParams) if f.name != "all_greedy"
 
 
 def run_step(decoder: TextDecoder, batch: DecodeBatch, name: str,
-             step: Callable[[DecodeBatch], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
-    """One loop step: step(batch) runs the forward(s), samples and commits, -> its extra outputs.
+             step: Callable[..., tuple[torch.Tensor, ...]], *extra: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One loop step: step(batch, *extra) runs the forward(s), samples and commits, -> its extra
+    outputs (extra: more input tensors, e.g. a verify step's drafts).
 
     Over the persistent cache with graphs on, the whole step is one CUDA graph per (name, rows,
     widths, greedy): its eager sampling, acceptance and commit ops cost the host about what the
@@ -120,20 +121,21 @@ def run_step(decoder: TextDecoder, batch: DecodeBatch, name: str,
     another batch; the extra outputs are graph buffers (consume them before the next call)."""
     graphs = decoder.graphs
     if batch.cache is not decoder.persistent or graphs is None or not graphs.enabled:
-        return step(batch)
+        return step(batch, *extra)
     greedy = batch.params.greedy_only()                  # read before capture (a host sync)
     params = tuple(getattr(batch.params, f) for f in _PARAMS)
     inputs = tuple(getattr(batch, f) for f in STATE) + params + (batch.rope_delta, batch.banned, batch.terminal,
-                                                                 batch.max_new)
+                                                                 batch.max_new) + extra
+    own = len(inputs) - len(extra)
 
     def captured(*t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        state, rest = t[:len(STATE)], t[len(STATE):]
+        state, rest = t[:len(STATE)], t[len(STATE):own]
         b = DecodeBatch(batch.cache, **dict(zip(STATE, state)),
                         params=SamplingParams(*rest[:len(params)], all_greedy=greedy),
                         rope_delta=rest[-4], banned=rest[-3], terminal=rest[-2], max_new=rest[-1],
                         in_graph=True)
-        extra = step(b)
-        return tuple(getattr(b, f) for f in STATE) + tuple(extra)
+        outputs = step(b, *t[own:])
+        return tuple(getattr(b, f) for f in STATE) + tuple(outputs)
 
     key = (name, batch.rows, batch.generated.shape[1], batch.terminal.shape[0], greedy)
     out = graphs.run(key, captured, *inputs)
@@ -146,7 +148,7 @@ def run_step(decoder: TextDecoder, batch: DecodeBatch, name: str,
         for f, t in zip(STATE, out):
             setattr(batch, f, t)
         batch.params = SamplingParams(*static[n:n + p], all_greedy=greedy)
-        batch.rope_delta, batch.banned, batch.terminal, batch.max_new = static[n + p:]
+        batch.rope_delta, batch.banned, batch.terminal, batch.max_new = static[n + p:own]
     batch.steps += 1
     return out[len(STATE):]
 

@@ -284,10 +284,10 @@ def test_dflash_persistent_cache_path_is_lossless(ckpt, head, runtimes):
 
 
 def test_dflash_graphed_loop_steps_are_lossless(ckpt, head, runtimes):
-    """Each DFlash2 loop step (draft, verify, context write, sampling, acceptance, commit; or a
-    plain decode step) is one graph over the persistent caches (generate.run_step); replayed on
-    the CPU over its captured buffers it commits the baseline's tokens, and the tokens and
-    trajectories of the same loop run plainly, greedy and sampled."""
+    """Each DFlash2 verify step (verify, context write, sampling, acceptance, commit) is one graph
+    over the persistent caches (generate.run_step) and its draft pass another, run ahead of it;
+    replayed on the CPU over their captured buffers they commit the baseline's tokens, and the
+    tokens and trajectories of the same loop run plainly, greedy and sampled."""
     base, _ = runtimes
     plain, graphed = (AlpamayoRuntime.load(ckpt, device="cpu", dtype=torch.float32,
                                            speculator_factory=DFlash2Speculator.factory(str(head))) for _ in range(2))
@@ -302,8 +302,32 @@ def test_dflash_graphed_loop_steps_are_lossless(ckpt, head, runtimes):
         assert all(np.array_equal(x.trajectories, y.trajectories) for x, y in zip(a, b))
         assert [r.speculative.per_step_accepted for r in a] == [r.speculative.per_step_accepted for r in b]
         assert sum(r.speculative.accepted for r in b) > 0
-    # the draft pass and the verify forward run inside the step's graph, not as graphs of their own
-    assert {k[0] for k in graphs._graphs} == {"verify7:OracleProposer", "expert"}, list(graphs._graphs)
+    # the verify forward runs inside the step's graph; the draft pass is a graph of its own
+    assert {k[0] for k in graphs._graphs} == {"verify7", "draft", "expert"}, list(graphs._graphs)
+
+
+def test_the_next_block_is_drafted_before_the_host_reads_the_steps_head(ckpt, head, runtimes, monkeypatch):
+    """The host reads each step's head (a sync), chooses and launches the next step; the device
+    drafts the next step's block meanwhile (launched before the read), so it does not idle through
+    that turnaround. Outputs stay the baseline's."""
+    from worker.dflash import loop
+
+    base, _ = runtimes
+    rt = AlpamayoRuntime.load(ckpt, device="cpu", dtype=torch.float32,
+                              speculator_factory=DFlash2Speculator.factory(str(head)))
+    rt.trajectory_max_new = 24
+    events = []
+    read, verify = loop._read, DFlash2Speculator._verify_step
+    monkeypatch.setattr(loop, "_read", lambda h: (events.append("read"), read(h))[1])
+    monkeypatch.setattr(DFlash2Speculator, "_verify_step",
+                        lambda self, *a: (events.append("verify"), verify(self, *a))[1])
+    propose = rt.speculator.proposer.propose
+    monkeypatch.setattr(rt.speculator.proposer, "propose", lambda b: (events.append("draft"), propose(b))[1])
+    reqs = [scene(7, k=1), scene(8, k=1)]
+    assert [r.token_ids for r in rt.run(reqs)] == [r.token_ids for r in base.run(reqs)]
+    steps = "".join("v" if e == "verify" else "d" if e == "draft" else "r" for e in events)
+    assert steps.startswith("rdv") and steps.count("v") >= 2
+    assert "vdr" in steps and "vr" not in steps, steps          # after each verify step: draft, then read
 
 
 def test_an_oracle_proposes_from_the_shared_buffers_its_prepare_fills():
