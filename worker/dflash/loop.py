@@ -133,8 +133,8 @@ class DFlash2Speculator:
             drafted_log.append(n)
             # the step's head goes to the host, then (after a verify step) the next step's block is
             # drafted: the host reads the head, chooses and launches the next step while the device
-            # drafts, instead of the device idling through that turnaround (~0.45 ms a step on the
-            # H200, 2026-12-03); after a decode step the next one drafts first if it verifies
+            # drafts, instead of the device idling through that turnaround (H200, 2026-12-03: a
+            # 17-step reasoning 1.8 ms shorter); after a decode step the next one drafts first if it verifies
             pending = self._head(batch, acceptance)
             proposals = self.proposer.propose(batch) if n else None
             head = _read(pending)

@@ -119,8 +119,8 @@ VISION_GRAPHS = 4      # image grids (frame sizes) whose tower replays as a grap
 def _graphed_tower(self, hidden_states, grid_thw, *, graphs, memo, **kwargs):
     """Qwen3VLVisionModel.forward as one CUDA graph per image grid (on the host) and dtype, at most
     `VISION_GRAPHS` of them (more grids run plainly). Launched op by op, a 24-image tower (27 blocks,
-    ~300 kernels) kept the H200's host ~1.0-1.5 ms a block behind a GPU that needs 1.0 once the
-    frames reached the device earlier (2026-12-03); a replay is one launch. The graph reads the
+    ~300 kernels) left the H200 waiting for the host's launches once the frames reached the device
+    earlier (torch.profiler, 2026-12-03); a replay is one launch. The graph reads the
     grid's tensors of `_from_host_grid`'s memo, kept alive here for as long as the tower lives.
     Each call returns a new output object over the graph's buffers (the caller reassigns fields)."""
     if grid_thw.device.type != "cpu" or set(kwargs) - {"return_dict"}:

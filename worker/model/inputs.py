@@ -291,8 +291,8 @@ class PromptBuilder:
         """The prompt's multimodal rotary positions and rope delta (`mrope_positions`; read-only).
         They depend on where the image tokens are and on the images' grids only (the trajectory
         tokens are text), so every scene of one spec and frame size shares them: computed once
-        (on the H200 host the per-image loop was most of a scene's ~5 ms of prompt work, all of it
-        before the scene's first kernel)."""
+        (the per-image loop was most of a scene's prompt work, all of it before the scene's first
+        kernel: 2.3 -> 0.35 ms a 24-image scene on the development machine's CPU)."""
         return self._positions(spec, tuple(map(tuple, grid.tolist())), merge_size)
 
     def _mrope(self, spec: PromptSpec, grid: tuple, merge_size: int) -> tuple[torch.Tensor, int]:

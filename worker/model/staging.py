@@ -5,8 +5,8 @@ On the GPU the frames are copied into one page-locked buffer in pieces of `PIECE
 each piece a task of the image-prep pool; `pixel_values` sends each piece to the device and
 preprocesses it there (resize, normalise, patchify: `ImageProcessing`) as soon as that piece is
 in place, so the device's copies and resizes of the first pieces run while the host still copies
-the last ones. Before, the device waited for the whole scene's host copy (149 MB, ~8 ms on the
-H200 host) and then copied and resized all 24 frames (~7 ms) before the vision tower's first kernel.
+the last ones. Before, the device waited for the whole scene's host copy (149 MB, 4 ms on the
+H200's host) and then copied and resized all 24 frames (~7 ms) before the vision tower's first kernel.
 Each image is preprocessed on its own, so the pieces' pixel values, concatenated, are exactly the
 whole scene's.
 
