@@ -146,11 +146,7 @@ class DFlash2Speculator:
         each draft count], copied to the host without waiting (read it with `_read`)."""
         generating = batch.generating
         expected = acceptance.expected_tokens(generating, self.policy.drafts)
-        head = to_host(torch.cat([batch.done.all()[None].float(), generating.sum()[None].float(), expected]))
-        ready = None
-        if head.device.type == "cpu" and generating.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record()
+        (head,), ready = to_host(torch.cat([batch.done.all()[None].float(), generating.sum()[None].float(), expected]))
         return head, ready
 
     def _verify_step(self, decoder: TextDecoder, batch: DecodeBatch, n: int, proposals: torch.Tensor) -> torch.Tensor:

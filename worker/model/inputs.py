@@ -152,13 +152,16 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
 
 
-def to_host(x: torch.Tensor) -> torch.Tensor:
-    """A device tensor copied into pinned host memory without waiting for the GPU (CUDA: read it
-    after an event recorded behind the copy has completed); on the CPU the tensor itself."""
-    if x.device.type != "cuda":
-        return x
-    out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-    return out.copy_(x, non_blocking=True)
+def to_host(*xs: torch.Tensor) -> tuple[list[torch.Tensor], "torch.cuda.Event | None"]:
+    """Device tensors copied into pinned host memory without waiting for the GPU, and an event
+    recorded behind the copies (synchronize it before reading them); on the CPU the tensors
+    themselves and None."""
+    if not xs or xs[0].device.type != "cuda":
+        return list(xs), None
+    out = [torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x, non_blocking=True) for x in xs]
+    ready = torch.cuda.Event()
+    ready.record()
+    return out, ready
 
 
 def mrope_positions(input_ids: torch.Tensor, image_grid: torch.Tensor, image_token_id: int,

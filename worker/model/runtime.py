@@ -441,10 +441,7 @@ class AlpamayoRuntime:
                 batch = baseline_decode(self.decoder, batch)
         # the tokens go to the host (pinned, no sync) before the expert, whose diffusion then runs
         # on the device while the host decodes the texts and the rows' initial speeds
-        generated, n_gen = (to_host(x) for x in (batch.generated[:, :max(max_new)], batch.n_generated))
-        copied = torch.cuda.Event() if dev.type == "cuda" else None
-        if copied is not None:
-            copied.record()
+        (generated, n_gen), copied = to_host(batch.generated[:, :max(max_new)], batch.n_generated)
         trajectories = rotations = None
         diffusion_ms = 0.0
         with _Clock(dev) as c_diff:
