@@ -115,8 +115,11 @@ class DFlash2Speculator:
         acceptance = policy.start(group, batch.rows, batch.lengths.device)
         self.proposer.prepare(batch)
         generating_log, accepted_log, drafted_log = [], [], []
-        proposals = None                     # the next verify step's drafts, drafted ahead of it
-        head = _read(self._head(batch, acceptance))
+        # the first block is drafted while the host reads the first head when the first step will
+        # verify (as after each verify step below); proposals: the next verify step's drafts
+        pending = self._head(batch, acceptance)
+        proposals = self.proposer.propose(batch) if policy.first_choice(costs, group) else None
+        head = _read(pending)
         while not head[0]:
             n = policy.choose(costs, head[1], head[2:])
             generating = batch.generating

@@ -119,6 +119,12 @@ class SpeculationPolicy:
                 best, best_rate = n, rate
         return best
 
+    def first_choice(self, costs: StepCosts | None, group: object) -> int:
+        """`choose` for a batch's first step, on the host before its head is read: every row starts
+        at its group's acceptance (and the rows' count scales every choice's rate alike)."""
+        a = self.group_acceptance(group)
+        return self.choose(costs, 1.0, [sum(a ** i for i in range(n + 1)) for n in self.drafts])
+
     def finish(self, group: object, acceptance: RowAcceptance) -> None:
         """Fold a batch's measured acceptance into its group's counts for the next batch."""
         s, f = self.groups.get(group, (0.0, 0.0))

@@ -113,25 +113,6 @@ class InferenceError(Exception):
         self.code = code
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class _Clock:
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def __enter__(self):
-        _sync(self.device)
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        _sync(self.device)
-        self.ms = (time.perf_counter() - self.t0) * 1000.0
-
-
 @dataclass
 class _Prepared:
     req: SceneRequest
@@ -157,8 +138,8 @@ class PreparedBatch:
 
 
 class _Marks:
-    """Stage boundaries of the prefill loop without a host sync per scene: CUDA events on the
-    GPU (read once, after the loop), wall clock on the CPU."""
+    """Stage boundaries without a host sync between stages: CUDA events on the GPU (read once,
+    after the batch), wall clock on the CPU."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -410,9 +391,6 @@ class AlpamayoRuntime:
                     self.speculator.load_context(rows_, hidden, p.rope_delta)
                 del layer_kv
         marks.mark()
-        spans = marks.intervals_ms()                  # per scene: device image prep, prefill
-        prefill_ms = spans[1::2]
-        device_prep_ms = spans[0::2] if dev.type == "cuda" else [0.0] * len(ok)     # CPU: staging is host work
         pad = rows - real
 
         def rep(xs, fill=0, dtype=torch.long):      # per scene -> per row (K each), padded rows last
@@ -432,46 +410,55 @@ class AlpamayoRuntime:
             banned, terminal = self._banned_text, [ids.traj_future_start, ids.im_end, ids.endoftext, *self.stop_ids]
         else:
             banned, terminal = self._banned_text, [ids.im_end, ids.endoftext, *self.stop_ids]
-        with _Clock(dev) as c_decode:
-            batch = start_batch(cache, rep(plens), first_logits, rep([p.rope_delta for p in ok]), params, banned,
-                                to_device(torch.tensor(terminal), dev), rep(max_new, 1), real_rows=real)
-            if speculate:
-                batch, spec_rows = self.speculator.decode(self.decoder, batch, group=(task, k))
-            else:
-                batch = baseline_decode(self.decoder, batch)
+        # no host sync between the stages: the host queues each stage behind the last (its marks are
+        # CUDA events, read at the end), so the device runs prefill, decode and expert back to back
+        batch = start_batch(cache, rep(plens), first_logits, rep([p.rope_delta for p in ok]), params, banned,
+                            to_device(torch.tensor(terminal), dev), rep(max_new, 1), real_rows=real)
+        if speculate:
+            batch, spec_rows = self.speculator.decode(self.decoder, batch, group=(task, k))
+        else:
+            batch = baseline_decode(self.decoder, batch)
+        marks.mark()
         # the tokens go to the host (pinned, no sync) before the expert, whose diffusion then runs
         # on the device while the host decodes the texts and the rows' initial speeds
         (generated, n_gen), copied = to_host(batch.generated[:, :max(max_new)], batch.n_generated)
         trajectories = rotations = None
-        diffusion_ms = 0.0
-        with _Clock(dev) as c_diff:
-            if task == "trajectory":
-                action = self.expert.sample(cache, batch.lengths, batch.rope_delta, params.key,
-                                            self.cfg.diffusion.num_inference_steps,
-                                            graphs=self.graphs if cache is self.decoder.persistent else None)[:real]
-                hist_xyz = torch.cat([p.hist_xyz for p in ok]).repeat_interleave(k, 0)
-                hist_rot = torch.cat([p.hist_rot for p in ok]).repeat_interleave(k, 0)
-                v0 = estimate_initial_speed(hist_xyz, hist_rot, self.cfg.action_space)
-            if copied is not None:
-                copied.synchronize()
-            for s, p in enumerate(ok):
-                res = results[p.req.request_id]
-                for j in range(k):
-                    r = s * k + j
-                    toks = generated[r, :int(n_gen[r])].tolist()
-                    text = text_tasks.extract_text(self.tok.decode(toks, skip_special_tokens=False))
-                    res.texts.append(text)
-                    res.outputs.append(text_tasks.parse_task_output(task, text))
-                    res.generated_tokens.append(len(toks))
-                    res.token_ids.append(toks)
-                    if task == "trajectory" and ids.traj_future_start not in toks:
-                        res.warnings.append(f"sample {j}: reasoning hit the {len(toks)}-token cap before "
-                                            "<|traj_future_start|>; the expert used the last position")
-            if task == "trajectory":
-                xyz, rot = action_to_trajectory(action.cpu(), hist_xyz, hist_rot, self.cfg.action_space, v0=v0)
-                trajectories, rotations = xyz.numpy(), rot.numpy()
         if task == "trajectory":
-            diffusion_ms = c_diff.ms
+            action = self.expert.sample(cache, batch.lengths, batch.rope_delta, params.key,
+                                        self.cfg.diffusion.num_inference_steps,
+                                        graphs=self.graphs if cache is self.decoder.persistent else None)[:real]
+            marks.mark()
+            hist_xyz = torch.cat([p.hist_xyz for p in ok]).repeat_interleave(k, 0)
+            hist_rot = torch.cat([p.hist_rot for p in ok]).repeat_interleave(k, 0)
+            v0 = estimate_initial_speed(hist_xyz, hist_rot, self.cfg.action_space)
+        if copied is not None:
+            copied.synchronize()
+        for s, p in enumerate(ok):
+            res = results[p.req.request_id]
+            for j in range(k):
+                r = s * k + j
+                toks = generated[r, :int(n_gen[r])].tolist()
+                text = text_tasks.extract_text(self.tok.decode(toks, skip_special_tokens=False))
+                res.texts.append(text)
+                res.outputs.append(text_tasks.parse_task_output(task, text))
+                res.generated_tokens.append(len(toks))
+                res.token_ids.append(toks)
+                if task == "trajectory" and ids.traj_future_start not in toks:
+                    res.warnings.append(f"sample {j}: reasoning hit the {len(toks)}-token cap before "
+                                        "<|traj_future_start|>; the expert used the last position")
+        diffusion_ms = 0.0
+        if task == "trajectory":
+            action = action.cpu()
+            t_tail = time.perf_counter()
+            xyz, rot = action_to_trajectory(action, hist_xyz, hist_rot, self.cfg.action_space, v0=v0)
+            trajectories, rotations = xyz.numpy(), rot.numpy()
+            tail_ms = (time.perf_counter() - t_tail) * 1000.0
+        spans = marks.intervals_ms()            # per scene: device image prep, prefill; then decode (, expert)
+        prefill_ms = spans[1:2 * len(ok):2]
+        device_prep_ms = spans[0:2 * len(ok):2] if dev.type == "cuda" else [0.0] * len(ok)  # CPU: staging is host work
+        decode_ms = spans[2 * len(ok)]
+        if task == "trajectory":                # the expert on the device, then the host's last conversion
+            diffusion_ms = spans[2 * len(ok) + 1] + tail_ms
         for s, p in enumerate(ok):
             res = results[p.req.request_id]
             if trajectories is not None:
@@ -480,7 +467,7 @@ class AlpamayoRuntime:
             if speculate:
                 res.speculative = self.speculator.merge_stats(spec_rows[s * k:(s + 1) * k])
             res.timings_ms = {"image_prep": p.image_prep_ms + device_prep_ms[s], "prefill": prefill_ms[s],
-                              "decode": c_decode.ms, "diffusion": diffusion_ms}
+                              "decode": decode_ms, "diffusion": diffusion_ms}
         if trajectories is not None and self.checker is not None and k >= 2:
             for p, traj in zip(ok, self._check([p.req for p in ok])):
                 results[p.req.request_id].checker_trajectory = traj

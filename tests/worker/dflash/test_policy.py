@@ -103,6 +103,22 @@ def test_choice_weighs_expected_tokens_against_step_costs():
     assert p.choose(None, 4, [0.0, 0.0]) == 7                 # uncalibrated: always draft (old behaviour)
 
 
+def test_the_first_choice_on_the_host_is_the_first_heads_choice():
+    """The loop drafts its first block before reading the first head when `first_choice` says the
+    first step verifies: that is the choice the head's expected tokens then give, for any group."""
+    p = SpeculationPolicy()
+    costs = StepCosts(loop={0: 1.0, 3: 1.3, 7: 1.5}, decode=1.0, verify={4: 1.1, 8: 1.3}, draft=0.2)
+    seen = set()
+    for counts in [(0.0, 0.0), (0.2, 9.0), (2.0, 3.0), (3.0, 1.0), (40.0, 1.0)]:
+        p.groups[("trajectory", 1)] = counts
+        acceptance = p.start(("trajectory", 1), 4, torch.device("cpu"))
+        generating = torch.tensor([True, True, True, False])
+        on_device = p.choose(costs, 3.0, acceptance.expected_tokens(generating, p.drafts).tolist())
+        assert p.first_choice(costs, ("trajectory", 1)) == on_device, counts
+        seen.add(on_device)
+    assert seen == {0, 3, 7}
+
+
 def test_baseline_steps_reach_the_result_block_and_prometheus():
     block = speculative_block(SpecStats(7, [7, 2, 0], [7, 7, 3], baseline_steps=5))
     assert (block["num_spec_steps"], block["num_baseline_steps"]) == (3, 5)
