@@ -96,6 +96,15 @@ class Selector(nn.Module):
         k = self.k_proj(cand_emb)                                          # (B, T, C, S)
         return cand_logits + (k @ q[..., None])[..., 0].float() / math.sqrt(q.shape[-1])
 
+    def table(self, h: torch.Tensor, prev_emb: torch.Tensor, cand_emb: torch.Tensor,
+              cand_logits: torch.Tensor) -> torch.Tensor:
+        """`scores` for every previous token at once: h and prev_emb (B, T, C', H) (position t's
+        hidden state beside each token the position before could have chosen), cand_emb (B, T, C, H),
+        cand_logits (B, T, C) -> (B, T, C', C), [b, t, p, c] the score of candidate c after p."""
+        q = self.q_proj(torch.cat([h, prev_emb], dim=-1))                 # (B, T, C', S)
+        k = self.k_proj(cand_emb)                                          # (B, T, C, S)
+        return cand_logits[:, :, None] + (q @ k.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])
+
 
 class DraftModel(nn.Module):
     """Weights of a DFlash2 head (embedding and LM head borrowed from the base model)."""

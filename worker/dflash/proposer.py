@@ -148,14 +148,18 @@ class Proposer:
     def select(self, h: torch.Tensor, next_token: torch.Tensor, cand_logits: torch.Tensor,
                cand: torch.Tensor) -> torch.Tensor:
         """The selector's choice among the candidates, position by position, each scored given the
-        token chosen before it -> proposals (B, 7)."""
-        b, n = cand.shape[0], cand.shape[1] + 1
-        cand_emb = self.embed(cand).to(h.dtype)                            # (B, n-1, C, H)
-        out = torch.empty(b, n - 1, dtype=torch.long, device=cand.device)
-        prev = next_token
-        for i in range(n - 1):
-            scores = self.draft.selector.scores(h[:, 1 + i:2 + i], self.embed(prev)[:, None].to(h.dtype),
-                                                cand_emb[:, i:i + 1], cand_logits[:, i:i + 1])   # (B, 1, C)
-            prev = cand[:, i].gather(1, scores[:, 0].argmax(-1, keepdim=True))[:, 0]
-            out[:, i] = prev
-        return out
+        token chosen before it -> proposals (B, 7). The scores of every candidate given every token
+        the position before could have chosen are one batched product, (B, 7, C, C); only the walk
+        along the chosen path is sequential (two small operations a position: 7 x 12 in a loop that
+        scored the chosen token's successors one position at a time)."""
+        b, m, c = cand.shape
+        cand_emb = self.embed(cand).to(h.dtype)                                       # (B, m, C, H)
+        first = self.embed(next_token)[:, None, None].to(h.dtype).expand(b, 1, c, -1)
+        prev_emb = torch.cat([first, cand_emb[:, :-1]], dim=1)                        # (B, m, C', H)
+        hidden = h[:, 1:, None].expand(b, m, c, h.shape[-1])                          # (B, m, C', H)
+        scores = self.draft.selector.table(hidden, prev_emb, cand_emb, cand_logits)   # (B, m, C', C)
+        chosen, picks = torch.zeros(b, 1, dtype=torch.long, device=cand.device), []   # position 0: any row
+        for i in range(m):
+            chosen = scores[:, i].gather(1, chosen[:, :, None].expand(b, 1, c))[:, 0].argmax(-1, keepdim=True)
+            picks.append(chosen)
+        return cand.gather(2, torch.stack(picks, 1))[..., 0]

@@ -43,7 +43,6 @@ class ActionExpert:
         self.rope_scaling = float(getattr(expert.expert.rotary_emb, "attention_scaling", 1.0))
         self.num_waypoints = num_waypoints
         self.stack = FusedStack(expert.expert.layers, self.head_dim)
-        self._schedules: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # steps -> (t, dt) on the device
         self._route_short_products()
 
     def fuse(self) -> None:
@@ -109,37 +108,12 @@ class ActionExpert:
                keys: torch.Tensor, steps: int = 10, graphs: GraphCache | None = None) -> torch.Tensor:
         """Flow matching from seeded noise; keys (R,) int64 per-sample noise keys.
 
-        With `graphs` (over the persistent cache) each Euler step replays one CUDA graph per rows
-        bucket, updating its buffers in place (`_graphed_steps`). Returns the action (R, W, 2) fp32.
+        With `graphs` (over the persistent cache) the whole loop replays as one CUDA graph per
+        rows bucket. Returns the action (R, W, 2) fp32.
         """
         x = normal(keys, (self.num_waypoints, 2)).to(offset.device)
-        if graphs is not None:
-            return self._graphed_steps(x, cache, offset, rope_delta, steps, graphs)
+        if graphs is not None:                      # persistent cache: attend over its capacity
+            return graphs.run(("expert", x.shape[0], steps),
+                              lambda x_, o, d: self.integrate(x_, cache, o, d, cache.capacity, steps),
+                              x, offset, rope_delta).clone()
         return self.integrate(x, cache, offset, rope_delta, int(offset.max()), steps)
-
-    def _graphed_steps(self, x: torch.Tensor, cache: StaticKVCache, offset: torch.Tensor, rope_delta: torch.Tensor,
-                       steps: int, graphs: GraphCache) -> torch.Tensor:
-        """`integrate` over the cache's capacity as `steps` replays of one graph: the step's time and
-        width come from device tables indexed by a step counter the graph advances, and x is updated
-        in place, so replays after the first copy nothing in. One graph per step rather than one of
-        the whole loop: the device starts the first step after ~1/steps of the launch work (a graph
-        of a 64-layer expert's 10 steps holds ~6,000 kernels)."""
-        r = x.shape[0]
-        if steps not in self._schedules:
-            ts = torch.linspace(0, 1, steps + 1).tolist()      # as `integrate`: the same fp32 values
-            self._schedules[steps] = (torch.tensor(ts[:-1], device=x.device),
-                                      torch.tensor([b - a for a, b in zip(ts, ts[1:])], device=x.device))
-        t_of, dt_of = self._schedules[steps]
-
-        def step(x_, i, o, d):
-            t = t_of[i].view(1, 1, 1).expand(r, 1, 1)
-            x_.add_(dt_of[i].view(1, 1, 1) * self.velocity(x_, t, cache, o, d, cache.capacity))
-            i.add_(1)
-            return x_
-
-        key = ("expert", r, steps)
-        inputs = (x, torch.zeros(1, dtype=torch.long, device=x.device), offset, rope_delta)
-        for _ in range(steps):
-            out = graphs.run(key, step, *inputs)
-            inputs = graphs.static_inputs(key) or inputs       # a plain call updated `inputs` themselves
-        return out.clone()

@@ -1,7 +1,7 @@
 """CUDA graphs keyed by shape: the first call of a key runs the function (twice, on a side
 stream, to warm up), captures it, then replays; later calls copy their inputs into the captured
 buffers and replay. Used for the decoder step per (rows, T), the draft pass and the expert's
-flow-matching step per rows bucket, all over persistent caches whose addresses never move.
+whole flow-matching loop per rows bucket, all over persistent caches whose addresses never move.
 
 Outputs are the graph's own buffers: consume them before the next call of the same key.
 A call made while another key is being captured (or warmed up) runs plainly, inside that graph:

@@ -7,6 +7,7 @@ demo checkpoint (`alpamayo-worker demo-checkpoint`)."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from worker.dflash.draft import MASK_TOKEN, DraftModel
 from worker.scenes import DEFAULT_IMAGE_SIZE
@@ -41,6 +42,48 @@ def test_selector_gets_gradients_from_its_initial_state(head_cfg):
     scores = sel.scores(torch.randn(b, t, h), torch.randn(b, t, h), torch.randn(b, t, c, h), torch.randn(b, t, c))
     F.cross_entropy(scores.reshape(-1, c), torch.randint(0, c, (b * t,))).backward()
     assert float(sel.q_proj.weight.grad.abs().sum()) > 0.0
+
+
+class _Operations(TorchDispatchMode):
+    """Counts the operators that compute (each a kernel launch on the GPU; views are free)."""
+    FREE = ("view", "slice", "select", "expand", "unsqueeze", "transpose", "alias", "detach", "squeeze", "t.default")
+
+    def __init__(self):
+        super().__init__()
+        self.computed = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.computed += not any(f in str(func) for f in self.FREE)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_selectors_walk_is_its_position_by_position_choice(rt, head_cfg):
+    """`Proposer.select` scores every candidate after every possible previous choice in one
+    product, then walks the chosen path: the same proposals as scoring each position given the
+    token chosen before it, one position at a time."""
+    from worker.dflash.proposer import Proposer
+
+    torch.manual_seed(1)
+    draft = DraftModel(head_cfg).float()
+    torch.nn.init.normal_(draft.selector.q_proj.weight, std=head_cfg.hidden_size ** -0.5 * 4)
+    proposer = Proposer(draft, rt.model.language_model.embed_tokens, rt.model.lm_head)
+    b, m, c, vocab = 64, 7, head_cfg.num_candidates, rt.model.lm_head.out_features
+    h = torch.randn(b, m + 1, head_cfg.hidden_size)
+    next_token = torch.randint(0, vocab, (b,))
+    cand = torch.stack([torch.randperm(vocab)[:c] for _ in range(b * m)]).view(b, m, c)
+    cand_logits = (0.1 * torch.randn(b, m, c)).sort(-1, descending=True).values
+    with torch.inference_mode(), _Operations() as ops:
+        got = proposer.select(h, next_token, cand_logits, cand)
+    assert ops.computed < 40, ops.computed                  # 80 when each position was scored on its own
+    with torch.inference_mode():
+        want, prev = torch.empty(b, m, dtype=torch.long), next_token
+        for i in range(m):                                    # one position at a time, as the selector was trained
+            scores = draft.selector.scores(h[:, 1 + i:2 + i], proposer.embed(prev)[:, None],
+                                           proposer.embed(cand[:, i:i + 1]), cand_logits[:, i:i + 1])
+            prev = cand[:, i].gather(1, scores[:, 0].argmax(-1, keepdim=True))[:, 0]
+            want[:, i] = prev
+    assert torch.equal(got, want)
+    assert (got != cand[:, :, 0]).float().mean() > 0.2        # the selector moved many choices off the top-1
 
 
 def _proposals(rt, draft, requests):
