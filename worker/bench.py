@@ -282,8 +282,9 @@ def loops(t: Table, rt, head_layers: int, batches: list[int], context: int, new:
                 s_spec = timeit(run, warmup=0, reps=3)
             finally:
                 spec.proposer = inner
-            steps = sum(len(r.accepted) for r in out["s"])
-            acc = sum(sum(r.accepted) for r in out["s"])
+            rows = out["s"]()
+            steps = sum(len(r.accepted) for r in rows)
+            acc = sum(sum(r.accepted) for r in rows)
             tps = b * new / s_spec
             diff = int((out["b"].generated != ref).sum())
             res[("dflash", b, tau)] = tps

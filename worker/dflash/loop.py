@@ -19,6 +19,7 @@ the token the baseline would have produced at that position.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
@@ -105,10 +106,13 @@ class DFlash2Speculator:
     # ---------------------------------------------------------------- the loop
     @torch.inference_mode()
     def decode(self, decoder: TextDecoder, batch: DecodeBatch, group: object = None
-               ) -> tuple[DecodeBatch, list[RowStats]]:
+               ) -> tuple[DecodeBatch, Callable[[], list[RowStats]]]:
         """Decode every row to done; each step verifies 3 or 7 drafts or is a plain decode step,
         as the policy (worker/dflash/policy.py) chooses from the rows' acceptance so far and the
-        step costs of `calibrate`. group: the batch's (task, K), whose acceptance the policy keeps."""
+        step costs of `calibrate`. group: the batch's (task, K), whose acceptance the policy keeps.
+        -> (batch, stats): stats() gives the per-row stats and folds the batch's acceptance into
+        its group's (both read the steps' logs from the device: call it once the next stage is
+        launched, as the runtime does after the expert's)."""
         self.flush_context()
         policy = self.policy
         costs = policy.costs_for(batch.rows)
@@ -141,8 +145,11 @@ class DFlash2Speculator:
             pending = self._head(batch, acceptance)
             proposals = self.proposer.propose(batch) if n else None
             head = _read(pending)
-        policy.finish(group, acceptance)
-        return batch, row_stats(generating_log, accepted_log, batch.rows, self.num_spec_tokens, drafted_log)
+
+        def stats() -> list[RowStats]:
+            policy.finish(group, acceptance)
+            return row_stats(generating_log, accepted_log, batch.rows, self.num_spec_tokens, drafted_log)
+        return batch, stats
 
     def _head(self, batch: DecodeBatch, acceptance) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """What the policy reads before a step: [all rows done, rows generating, expected tokens of

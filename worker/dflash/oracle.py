@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from worker.dflash.proposer import Proposer
+from worker.model.inputs import to_device
 from worker.model.sampling import uniform
 
 
@@ -74,7 +75,7 @@ class OracleProposer:
             self.inner.oracle_error_rate = torch.zeros((), dtype=torch.float32, device=buf.device)
         buf.zero_()
         ref = self.reference[:rows]
-        buf[:ref.shape[0], :ref.shape[1]] = ref.to(buf.device)
+        buf[:ref.shape[0], :ref.shape[1]] = to_device(ref, buf.device)     # no wait for the prefill before it
         self.inner.oracle_vocab.fill_(max(int(self.reference.max()) + 2, 2))
         self.inner.oracle_seed.fill_(self.seed)
         self.inner.oracle_error_rate.fill_(self.error_rate)

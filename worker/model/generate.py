@@ -167,9 +167,11 @@ class Speculator(Protocol):
         """One scene's prefill hidden states {layer: (1, P, H)} become the context of `rows` (by
         the time `decode` runs: a speculator may write several scenes' together)."""
 
-    def decode(self, decoder: TextDecoder, batch: DecodeBatch, group: object = None) -> tuple[DecodeBatch, list[Any]]:
-        """Decode every row to done; -> (batch, one per-row stats object per row). group: the
-        batch's (task, K), for speculators that learn acceptance per group."""
+    def decode(self, decoder: TextDecoder, batch: DecodeBatch, group: object = None
+               ) -> tuple[DecodeBatch, Callable[[], list[Any]]]:
+        """Decode every row to done; -> (batch, stats): stats() gives one per-row stats object per
+        row and may wait for the device (the runtime calls it once the expert is launched). group:
+        the batch's (task, K), for speculators that learn acceptance per group."""
 
     def calibrate(self, decoder: TextDecoder, cache: StaticKVCache, rows_buckets: list[int], context: int,
                   banned: torch.Tensor) -> None:

@@ -415,7 +415,7 @@ class AlpamayoRuntime:
         batch = start_batch(cache, rep(plens), first_logits, rep([p.rope_delta for p in ok]), params, banned,
                             to_device(torch.tensor(terminal), dev), rep(max_new, 1), real_rows=real)
         if speculate:
-            batch, spec_rows = self.speculator.decode(self.decoder, batch, group=(task, k))
+            batch, spec_stats = self.speculator.decode(self.decoder, batch, group=(task, k))
         else:
             batch = baseline_decode(self.decoder, batch)
         marks.mark()
@@ -431,6 +431,7 @@ class AlpamayoRuntime:
             hist_xyz = torch.cat([p.hist_xyz for p in ok]).repeat_interleave(k, 0)
             hist_rot = torch.cat([p.hist_rot for p in ok]).repeat_interleave(k, 0)
             v0 = estimate_initial_speed(hist_xyz, hist_rot, self.cfg.action_space)
+        spec_rows = spec_stats() if speculate else None     # its host reads after the expert's launch
         if copied is not None:
             copied.synchronize()
         for s, p in enumerate(ok):

@@ -102,9 +102,6 @@ L2_PARTIAL_BYTES = 8 << 20             # fp32 partials this small (written and r
                                        # expert's 64-row products (K 1,536-6,144), us unsplit / split: qkv
                                        # 16.3 / 9.2 (3), o 21.0 / 8.1 (4), down 19.8 (3) / 11.1 (8)
 MAX_SPLITS = 16
-LAST_SPLIT_SUMS = True                 # a split launch's last program of each tile sums the tile's splits (no
-                                       # second kernel; `tile_counters`), else `_sum_splits_kernel` does
-COUNTER_SLOTS = 1 << 16                # output tiles a split launch may have and still sum in its last programs
 REDUCE_BLOCK = 1024                    # output columns per program of the split-sum kernel
 SMS_WITHOUT_CUDA = 132                 # the interpreter's stand-in for a device's multiprocessor count
 # Triton chooses interpreter or compiler when the kernels below are defined (module import)
@@ -198,11 +195,10 @@ if triton is not None:
         return y
 
     @triton.jit
-    def _stream_kernel(X, W, SCALE, BIAS, Y, PART, COUNT, M, N, K, sx_m, sw_n, sw_k, sy_m, k_per_split,
+    def _stream_kernel(X, W, SCALE, BIAS, Y, PART, M, N, K, sx_m, sw_n, sw_k, sy_m, k_per_split,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   DOT_FP32: tl.constexpr, SWAP_AB: tl.constexpr, F16: tl.constexpr, LAST_SUMS: tl.constexpr,
-                   GDC: tl.constexpr):
+                   DOT_FP32: tl.constexpr, SWAP_AB: tl.constexpr, F16: tl.constexpr, GDC: tl.constexpr):
         gdc_enter(GDC)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -252,20 +248,6 @@ if triton is not None:
             tl.store(Y + offs_m[:, None] * sy_m + offs_n[None, :], y.to(Y.dtype.element_ty), mask=mask)
         else:
             tl.store(PART + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
-            if LAST_SUMS:                                       # the tile's last split to finish sums them all
-                tile = pid_m * tl.num_programs(0) + pid_n
-                tl.debug_barrier()                              # every thread's partial stored before the count
-                if tl.atomic_add(COUNT + tile, 1, sem="acq_rel") == SPLIT - 1:
-                    y = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    for s in tl.static_range(SPLIT):            # fixed order: `_sum_splits_kernel`'s bits
-                        y += tl.load(PART + (s * M + offs_m[:, None]) * N + offs_n[None, :], mask=mask, other=0.0,
-                                     cache_modifier=".cg")
-                    if HAS_SCALE:
-                        y = y * tl.load(SCALE + offs_n, mask=n_ok, other=0.0)[None, :]
-                    if HAS_BIAS:
-                        y += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-                    tl.store(Y + offs_m[:, None] * sy_m + offs_n[None, :], y.to(Y.dtype.element_ty), mask=mask)
-                    tl.atomic_xchg(COUNT + tile, 0)             # ready for the next launch
 
     @triton.jit
     def _sum_splits_kernel(PART, SCALE, BIAS, Y, M, N, sy_m, SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr,
@@ -283,24 +265,6 @@ if triton is not None:
         if HAS_BIAS:
             y += tl.load(BIAS + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(Y + row * sy_m + cols, y.to(Y.dtype.element_ty), mask=ok)
-
-
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def tile_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """Zeroed int32 arrival counts, one per output tile, for a split launch that sums its splits in
-    the tile's last program (each such program sets its count back to 0): one buffer per device,
-    shared by every launch (they run one after another on the runtime's stream; under `PDL` a
-    kernel touches it only after the previous one finished). None where there is none to share yet
-    (first asked during a CUDA graph capture, whose memory would go with the graph) or it is too
-    small: that launch sums its splits with `_sum_splits_kernel` instead."""
-    if not LAST_SPLIT_SUMS:
-        return None
-    buf = _counters.get(device)
-    if buf is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        buf = _counters[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return buf if buf is not None and tiles <= buf.numel() else None
 
 
 def stream_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
@@ -330,14 +294,12 @@ def stream_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     s = scale if scale is not None else y
     b = bias if bias is not None else s
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(rows, config.block_m), splits)
-    count = tile_counters(x.device, grid[0] * grid[1]) if splits > 1 else None
-    _stream_kernel[grid](x2, weight, s, b, y, part, count if count is not None else y, rows, n, k, x2.stride(0),
-                     weight.stride(0), weight.stride(1), y.stride(0), k_per_split, BLOCK_M=config.block_m,
-                     BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT=splits, EVEN_K=k % config.block_k == 0,
+    _stream_kernel[grid](x2, weight, s, b, y, part, rows, n, k, x2.stride(0), weight.stride(0), weight.stride(1),
+                     y.stride(0), k_per_split, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                     BLOCK_K=config.block_k, SPLIT=splits, EVEN_K=k % config.block_k == 0,
                      HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, DOT_FP32=_INTERPRETED,
-                     SWAP_AB=config.swap_ab and config.block_m > 1, F16=takes_f16(config, weight.dtype, x2.dtype),
-                     LAST_SUMS=count is not None, num_warps=config.warps, num_stages=config.stages, **launch_args(x2))
-    if splits > 1 and count is None:
+                     SWAP_AB=config.swap_ab and config.block_m > 1, F16=takes_f16(config, weight.dtype, x2.dtype), num_warps=config.warps, num_stages=config.stages, **launch_args(x2))
+    if splits > 1:
         _sum_splits_kernel[(rows, triton.cdiv(n, REDUCE_BLOCK))](
             part, s, b, y, rows, n, y.stride(0), SPLIT=splits, HAS_SCALE=scale is not None,
             HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4, **launch_args(x2))

@@ -330,6 +330,31 @@ def test_the_next_block_is_drafted_before_the_host_reads_the_steps_head(ckpt, he
     assert "vdr" in steps and "vr" not in steps, steps          # after each verify step: draft, then read
 
 
+def test_the_expert_is_launched_before_the_loops_stats_are_read(ckpt, head, runtimes, monkeypatch):
+    """The loop's per-row stats and the group's acceptance are read from the device (a wait for
+    it) only after the expert's diffusion is launched, so the device goes from the last step
+    straight on to the expert; the stats are the same."""
+    from worker.dflash import loop
+    from worker.model.expert import ActionExpert
+
+    base, _ = runtimes
+    rt = AlpamayoRuntime.load(ckpt, device="cpu", dtype=torch.float32,
+                              speculator_factory=DFlash2Speculator.factory(str(head)))
+    rt.trajectory_max_new = 24
+    reqs = [scene(7, k=1), scene(8, k=1)]
+    ref = [r.token_ids for r in base.run(reqs)]
+    first = oracle_run(rt, reqs, ref, error_rate=0.3)
+    events = []
+    sample, finish = ActionExpert.sample, rt.speculator.policy.finish
+    monkeypatch.setattr(ActionExpert, "sample", lambda self, *a, **kw: (events.append("expert"), sample(self, *a, **kw))[1])
+    monkeypatch.setattr(rt.speculator.policy, "finish", lambda *a: (events.append("stats"), finish(*a))[1])
+    monkeypatch.setattr(loop, "row_stats", lambda *a, f=loop.row_stats: (events.append("stats"), f(*a))[1])
+    again = oracle_run(rt, reqs, ref, error_rate=0.3)
+    assert events == ["expert", "stats", "stats"], events
+    assert [r.speculative for r in again] == [r.speculative for r in first]
+    assert [r.token_ids for r in again] == ref
+
+
 def test_an_oracle_proposes_from_the_shared_buffers_its_prepare_fills():
     """The benchmarks sweep oracles of several error rates over one runtime, and a verify step
     graph captured for the first replays for the next: so propose must read the reference, error

@@ -84,29 +84,6 @@ for m, n, k, dtype, fp8_weight, swap in [(8, 70, 300, "bfloat16", True, False), 
     out["f16"].append(dict(case=[m, n, k, dtype, fp8_weight, swap], finite=bool(torch.isfinite(y1).all()),
                            same_bits_as_bf16_form=torch.equal(y0, y1), zero_row=bool((y1[1] == 0).all()),
                            worst_row_rel_err=max(e for i, e in enumerate(row_err) if i != 1)))
-# split launches summed by each tile's last program against the second kernel: the same bits, one
-# launch, the tile counts back at zero (gemv, dot, swapped and fp16 forms; with bias and scale)
-import worker.model.stream_gemm as sg
-out["last_sums"] = []
-for m, n, k, dtype, config in [(1, 37, 3000, "bfloat16", None), (3, 45, 900, "float32", None),
-                               (8, 70, 700, "bfloat16", dataclasses.replace(f16_form, f16=True)),
-                               (17, 70, 300, "float32", LaunchConfig(32, 32, 64, 4, 2, swap_ab=True))]:
-    dt = getattr(torch, dtype)
-    w8, scale = fp8.quantize_weight(torch.randn(n, k, generator=gen))
-    x = torch.randn(m, k, generator=gen).to(dt)
-    b = torch.randn(n, generator=gen).to(dt)
-    sg.LAST_SPLIT_SUMS = False
-    two = stream_linear(x, w8, scale, b, config=config, splits=4)
-    sg.LAST_SPLIT_SUMS = True
-    second = sg._sum_splits_kernel
-    sg._sum_splits_kernel = None                      # launching it now would fail
-    try:
-        one = stream_linear(x, w8, scale, b, config=config, splits=4)
-        again = stream_linear(x, w8, scale, b, config=config, splits=4)
-    finally:
-        sg._sum_splits_kernel = second
-    out["last_sums"].append(dict(case=[m, n, k, dtype], same_bits=torch.equal(one, two) and torch.equal(again, two),
-                                 counts_zero=bool((sg._counters[x.device] == 0).all())))
 # Fp8Linear: which product runs for few rows, many rows, and inside reference_only()
 lin = fp8.Fp8Linear(torch.nn.Linear(48, 24, bias=False))
 for name, rows, ref_only in [("few", 3, False), ("limit", fp8.WEIGHT_ONLY_MAX_ROWS, False),
@@ -156,14 +133,6 @@ def test_matches_dequantised_product_at_odd_shapes_and_repeats_bit_for_bit(inter
     # the split rule splits a long K when the output tiles are few; forced splits ran too
     assert any(p["case"][5] is None and p["splits_used"] > 1 for p in interpreted["products"])
     assert any(p["case"][5] == 3 for p in interpreted["products"])
-
-
-def test_split_launches_sum_in_their_last_programs_with_the_second_kernels_bits(interpreted):
-    """A split product's partials are summed by each output tile's last program to finish (no
-    second launch: ~190 sum kernels a 32B verify step), in the same fixed order as the sum kernel,
-    so the bits are the sum kernel's, launch after launch; the arrival counts end at zero."""
-    cases = interpreted["last_sums"]
-    assert len(cases) == 4 and all(c["same_bits"] and c["counts_zero"] for c in cases), cases
 
 
 def test_the_swapped_dot_form_gives_the_product(interpreted):
