@@ -206,6 +206,18 @@ def test_greedy_k1_identical_across_seeds(rt):
     assert a.texts == b.texts
 
 
+def test_sampling_knows_its_greedy_batches_from_the_host(rt, monkeypatch):
+    """Whether every row of a batch is greedy comes from the requests, not from the device's
+    temperatures (reading those waited for the whole prefill before the loop could be queued)."""
+    from worker.model import runtime
+
+    seen, start = [], runtime.start_batch
+    monkeypatch.setattr(runtime, "start_batch", lambda *a, **kw: (seen.append(a[4].all_greedy), start(*a, **kw))[1])
+    rt.run([scene(1), scene(2)])
+    rt.run([scene(3), scene(4, temperature=0.7, seed=3)])
+    assert seen == [True, False]
+
+
 def test_shared_prefill_equals_separate_prefills(rt):
     shared = rt.run([scene(4, k=3, temperature=0.9, seed=5)])[0]
     rt.share_prefill = False
