@@ -396,16 +396,17 @@ class AlpamayoRuntime:
         def rep(xs, fill=0, dtype=torch.long):      # per scene -> per row (K each), padded rows last
             return to_device(torch.tensor([x for x in xs for _ in range(k)] + [fill] * pad, dtype=dtype), dev)
 
+        temperatures = [p.req.temperature for p in ok]
         params = SamplingParams(
             key=to_device(torch.tensor([sample_key(p.req.seed, j) for p in ok for j in range(k)] + [0] * pad,
                                        dtype=torch.long), dev),
-            temperature=rep([p.req.temperature for p in ok], 0.0, torch.float32),
+            temperature=rep(temperatures, 0.0, torch.float32),
             top_p=rep([p.req.top_p for p in ok], 1.0, torch.float32),
             top_k=rep([p.req.top_k or 0 for p in ok]),
             # from the host's values (padding rows are greedy), so that sampling never reads the
             # device's: that read waited for the whole prefill, then the device idled while the host
             # launched the loop's start (H200, 2026-12-03: 3.7 ms from prefill to the first verify step)
-            all_greedy=bool((torch.tensor([p.req.temperature for p in ok], dtype=torch.float32) <= 0).all()),
+            all_greedy=bool((torch.tensor(temperatures, dtype=torch.float32) <= 0).all()),
         )
         ids = self.ids
         if task == "trajectory":
