@@ -91,10 +91,9 @@ class Selector(nn.Module):
 
     def scores(self, h: torch.Tensor, prev_emb: torch.Tensor, cand_emb: torch.Tensor,
                cand_logits: torch.Tensor) -> torch.Tensor:
-        """h (B, T, H), prev_emb (B, T, H), cand_emb (B, T, C, H), cand_logits (B, T, C) -> (B, T, C)."""
-        q = self.q_proj(torch.cat([h, prev_emb], dim=-1))                 # (B, T, S)
-        k = self.k_proj(cand_emb)                                          # (B, T, C, S)
-        return cand_logits + (k @ q[..., None])[..., 0].float() / math.sqrt(q.shape[-1])
+        """h (B, T, H), prev_emb (B, T, H), cand_emb (B, T, C, H), cand_logits (B, T, C) -> (B, T, C):
+        `table` with the one previous token each position was given."""
+        return self.table(h[:, :, None], prev_emb[:, :, None], cand_emb, cand_logits)[:, :, 0]
 
     def table(self, h: torch.Tensor, prev_emb: torch.Tensor, cand_emb: torch.Tensor,
               cand_logits: torch.Tensor) -> torch.Tensor:

@@ -92,7 +92,7 @@ class OracleProposer:
         place: a graph of their own over the persistent caches, as the draft pass is, so that the
         oracle's ~25 small operations are not measured as host launches the real proposer has not."""
         real = self.inner.propose(batch)                                   # pay the draft's cost
-        if self.inner.persistent and self.inner.graphs is not None:
+        if self.inner.graphed:
             return self.inner.graphs.run(("oracle", real.shape[0]), self._replace, real, batch.n_generated)
         return self._replace(real, batch.n_generated)
 
@@ -115,8 +115,7 @@ class SelectorCeiling(OracleProposer):
 
     def propose(self, batch) -> torch.Tensor:
         inner = self.inner
-        graphed = inner.persistent and inner.graphs is not None
-        cap = inner.k[0].shape[2] if graphed else int(batch.lengths.max())
+        cap = inner.k[0].shape[2] if inner.graphed else int(batch.lengths.max())
         h, cand_logits, cand = inner.candidates(batch.next_token, batch.lengths, batch.rope_delta, batch.banned, cap)
         chosen = inner.select(h, batch.next_token, cand_logits, cand)
         want, _ = self.reference_tokens(batch.n_generated, chosen.shape[0], chosen.shape[1])      # (B, 7)

@@ -122,8 +122,8 @@ class SpeculationPolicy:
     def first_choice(self, costs: StepCosts | None, group: object) -> int:
         """`choose` for a batch's first step, on the host before its head is read: every row starts
         at its group's acceptance (and the rows' count scales every choice's rate alike)."""
-        a = self.group_acceptance(group)
-        return self.choose(costs, 1.0, [sum(a ** i for i in range(n + 1)) for n in self.drafts])
+        row = RowAcceptance(self.group_acceptance(group), torch.zeros(1), torch.zeros(1))
+        return self.choose(costs, 1.0, row.expected_tokens(torch.ones(1), self.drafts).tolist())
 
     def finish(self, group: object, acceptance: RowAcceptance) -> None:
         """Fold a batch's measured acceptance into its group's counts for the next batch."""

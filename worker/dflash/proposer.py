@@ -102,12 +102,17 @@ class Proposer:
             self.k[layer][rows, :, cols] = k[0].transpose(0, 1)[src].to(self.k[layer].dtype)
             self.v[layer][rows, :, cols] = v[0].transpose(0, 1)[src].to(self.v[layer].dtype)
 
+    @property
+    def graphed(self) -> bool:
+        """Whether draft passes replay CUDA graphs: graphs on, over the persistent context caches."""
+        return self.persistent and self.graphs is not None
+
     def propose(self, batch) -> torch.Tensor:
         """DecodeBatch -> proposals (B, 7) for the positions after each row's next_token (the last
         committed token, not yet in the cache, at position lengths). A CUDA graph per rows bucket
         over the persistent context caches when graphs are on."""
         banned = batch.banned
-        if self.persistent and self.graphs is not None:
+        if self.graphed:
             cap = self.k[0].shape[2]
             return self.graphs.run(("draft", batch.rows, id(banned)),
                                    lambda t, n, d: self._propose(t, n, d, banned, cap),

@@ -364,7 +364,7 @@ def test_an_oracle_proposes_from_the_shared_buffers_its_prepare_fills():
     from types import SimpleNamespace
 
     class Draft:                          # the real draft pass is not what this checks
-        block_size, k, graphs, persistent = 8, [torch.zeros(2, 1, 64, 4)], None, False
+        block_size, k, graphs, graphed = 8, [torch.zeros(2, 1, 64, 4)], None, False
 
         def propose(self, batch):
             return torch.zeros(batch.rows, 7, dtype=torch.long)
