@@ -132,7 +132,8 @@ FP8_SWEEP_CONFIGS = {
     8: [LaunchConfig(16, bn, bk, w, st, f16=True) for bn, bk, w, st in ((64, 128, 4, 4), (128, 128, 2, 3),
                                                                          (128, 256, 4, 3), (256, 128, 8, 3))],
     32: [LaunchConfig(32, bn, bk, w, st) for bn, bk, w, st in ((32, 128, 4, 4), (64, 64, 4, 4), (64, 256, 4, 3),
-                                                                (128, 128, 4, 3), (128, 128, 8, 3))],
+                                                                (128, 128, 4, 3), (128, 128, 8, 3))]
+        + [LaunchConfig(32, bn, 128, 4, st, f16=True, f16_rows=True) for bn, st in ((128, 3), (64, 4))],
     64: [LaunchConfig(64, bn, bk, w, st, sw) for bn, bk, w, st, sw in ((64, 128, 4, 3, False), (64, 128, 4, 3, True),
                                                                        (128, 64, 4, 4, True), (64, 256, 4, 3, True))],
 }

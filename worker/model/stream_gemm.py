@@ -25,7 +25,14 @@ Two forms, chosen per number of rows by `LAUNCH_CONFIGS`:
         bandwidth), to fp16 one. H200, 2026-12-03 (`.run/sweep8b.py`, the 32B layer's four
         products, us): 8 rows 177.3 -> 160.8, 16 rows 182.9 -> 167.6; 32 rows 214 -> 243 and 64
         rows 293 -> 400 (not used there); fp8 verify(8) step, batch 1, 13.47 -> 12.51 ms. Its own
-        table (`F16_LAUNCH_CONFIGS`): 128-wide tiles split for ~2.4 programs a multiprocessor
+        table (`F16_LAUNCH_CONFIGS`): 128-wide tiles split for ~2.4 programs a multiprocessor.
+        For 17-32 rows the rows are made fp16 once, before the product (`f16_rows`: one power of
+        two per row, not per tile), so each tile's products accumulate in the tensor cores: scaling
+        each tile's rows cost more there than the conversions it saves. Bit moves in place of the
+        e4m3 -> fp16 conversion (integer ops, or PTX byte permutes as fp8 Marlin does) were slower
+        at 8-64 rows (H200, 2026-12-04: 179-271 against 148 us a layer at 8 rows), and a widening
+        left out altogether (garbage values, timing only) was not faster: the conversion is not
+        what holds the 8-row products at ~79% of the copy bandwidth.
 Both split K across programs when the output tiles alone would leave multiprocessors idle
 (`split_count`): each split writes an fp32 partial and a second kernel sums the splits in a
 fixed order (no atomics), so a second launch gives the same bits. Launch shapes depend only on
@@ -73,6 +80,9 @@ class LaunchConfig:
     f16: bool = False                  # dot form with fp16 operands for e4m3 weights and bf16 / fp16 rows
                                        # (`f16_tile_product`: e4m3 -> fp16 is one conversion per two values,
                                        # -> bf16 three)
+    f16_rows: bool = False             # ... with the rows made fp16 once, before the product (`f16_rows`: one
+                                       # power of two per row), so the tiles accumulate in the tensor cores
+                                       # (not swapped)
     programs_per_sm: float | None = None   # `split_count`'s target (None: PROGRAMS_PER_SM, 1 for 2-byte weights)
 
 
@@ -89,8 +99,14 @@ LAUNCH_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
 # tiles under the general split rule (7-16 splits) 153.7 / 160.1 / 166.4; 128-wide tiles split for
 # about 2.4 programs a multiprocessor (qkv 4 splits, o 8, gate/up 1, down 8) 144.7 / 145.5 / 148.7,
 # within 0.4 of the best tile and split count of each product; fp8 verify(8), batch 1, 12.56 -> 11.70 ms
+# 17-32 rows (verify(8) at batch 3-4 and at K=3, decode at batch 17-32): the rows made fp16 before the
+# product. H200, 2026-12-04 (`.run/conv24.py`, the 32B layer's four products, us a layer at 24 / 32 rows,
+# the rows' kernels included): 205.1 / 209.9 against 221.0 / 218.9 for the bf16 dot form and 233.6 / 233.1
+# for rows scaled tile by tile; at 8 / 16 rows 181.0 / 185.5 against the tile form's 148.2 / 151.3
 F16_LAUNCH_CONFIGS: tuple[tuple[int, LaunchConfig], ...] = (
     (16, LaunchConfig(block_m=16, block_n=128, block_k=128, warps=4, stages=3, f16=True, programs_per_sm=2.4)),
+    (32, LaunchConfig(block_m=32, block_n=128, block_k=128, warps=4, stages=4, f16=True, f16_rows=True,
+                      programs_per_sm=2.4)),
 )
 PROGRAMS_PER_SM = 8                    # split K until about this many programs per multiprocessor (the gemv
                                        # form at 61 registers x 128 threads fits 8); 2-byte weights: 1 (their
@@ -103,6 +119,8 @@ L2_PARTIAL_BYTES = 8 << 20             # fp32 partials this small (written and r
                                        # 16.3 / 9.2 (3), o 21.0 / 8.1 (4), down 19.8 (3) / 11.1 (8)
 MAX_SPLITS = 16
 REDUCE_BLOCK = 1024                    # output columns per program of the split-sum kernel
+F16_ROWS_BLOCK = 2048                  # columns per step of `_f16_rows_kernel` (H200: 2.3 / 6.8 us for 24 rows
+                                       # of 5,120 / 25,600)
 SMS_WITHOUT_CUDA = 132                 # the interpreter's stand-in for a device's multiprocessor count
 # Triton chooses interpreter or compiler when the kernels below are defined (module import)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -176,6 +194,14 @@ def stream_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.
 
 if triton is not None:
     @triton.jit
+    def f16_scales(amax):
+        """The powers of two (up, down) that put a row's largest magnitude `amax` in [2^14, 2^15) and
+        back (fp32; all-zero rows: any scale)."""
+        ex = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141
+        ex = tl.minimum(tl.maximum(ex, -100), 100)
+        return ((127 - ex) << 23).to(tl.float32, bitcast=True), ((127 + ex) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def f16_tile_product(x, w, SWAP_AB: tl.constexpr):
         """x (BLOCK_M, BLOCK_K) bf16 times w (BLOCK_N, BLOCK_K) e4m3, transposed, in fp32 through fp16
         tensor-core operands: w widened to fp16 (exact, one conversion per two values), each row of x
@@ -183,10 +209,7 @@ if triton is not None:
         values: no overflow past fp16's 65,504, no loss to its subnormals above 2^-28 of the row's
         largest), the tile's product scaled back. (BLOCK_M, BLOCK_N), or (BLOCK_N, BLOCK_M) with SWAP_AB."""
         xf = x.to(tl.float32)
-        ex = ((tl.max(tl.abs(xf), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141
-        ex = tl.minimum(tl.maximum(ex, -100), 100)              # all-zero (padding) rows: any scale
-        up = ((127 - ex) << 23).to(tl.float32, bitcast=True)     # 2^-ex
-        down = ((127 + ex) << 23).to(tl.float32, bitcast=True)   # 2^ex
+        up, down = f16_scales(tl.max(tl.abs(xf), axis=1))
         xs = (xf * up[:, None]).to(tl.float16)
         if SWAP_AB:
             y = tl.dot(w.to(tl.float16), tl.trans(xs)) * down[None, :]
@@ -195,10 +218,28 @@ if triton is not None:
         return y
 
     @triton.jit
-    def _stream_kernel(X, W, SCALE, BIAS, Y, PART, M, N, K, sx_m, sw_n, sw_k, sy_m, k_per_split,
+    def _f16_rows_kernel(X, X16, DOWN, K, sx, BLOCK: tl.constexpr, GDC: tl.constexpr):
+        """One program a row: X16 = the row times the power of two `f16_scales` gives for its largest
+        magnitude, in fp16 (exact for bf16 values down to 2^-31 of it); DOWN = the power back."""
+        gdc_enter(GDC)
+        row = tl.program_id(0)
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            amax = tl.maximum(amax, tl.abs(tl.load(X + row * sx + cols, mask=cols < K, other=0.0).to(tl.float32)))
+        up, down = f16_scales(tl.max(amax, axis=0))
+        tl.store(DOWN + row, down)
+        for k0 in range(0, K, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            x = tl.load(X + row * sx + cols, mask=cols < K, other=0.0).to(tl.float32)
+            tl.store(X16 + row * K + cols, (x * up).to(tl.float16), mask=cols < K)
+
+    @triton.jit
+    def _stream_kernel(X, W, SCALE, BIAS, Y, PART, DOWN, M, N, K, sx_m, sw_n, sw_k, sy_m, k_per_split,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   DOT_FP32: tl.constexpr, SWAP_AB: tl.constexpr, F16: tl.constexpr, GDC: tl.constexpr):
+                   DOT_FP32: tl.constexpr, SWAP_AB: tl.constexpr, F16: tl.constexpr, F16_ROWS: tl.constexpr,
+                   GDC: tl.constexpr):
         gdc_enter(GDC)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -226,6 +267,8 @@ if triton is not None:
                             other=0.0)
             if BLOCK_M == 1:                                    # gemv: x (1, BLOCK_K) against each row of W
                 acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+            elif F16_ROWS:                                      # x: fp16 rows of `_f16_rows_kernel`
+                acc = tl.dot(x, tl.trans(w.to(tl.float16)), acc)
             elif F16:                                           # fp16 operands, x's rows scaled by powers of two
                 acc += f16_tile_product(x, w, SWAP_AB)
             elif SWAP_AB and DOT_FP32:
@@ -238,6 +281,8 @@ if triton is not None:
                 acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
         if SWAP_AB:
             acc = tl.trans(acc)
+        if F16_ROWS:
+            acc = acc * tl.load(DOWN + offs_m, mask=m_ok, other=1.0)[:, None]
         mask = m_ok[:, None] & n_ok[None, :]
         if SPLIT == 1:
             y = acc
@@ -293,12 +338,21 @@ def stream_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     part = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device) if splits > 1 else y
     s = scale if scale is not None else y
     b = bias if bias is not None else s
+    f16 = takes_f16(config, weight.dtype, x2.dtype)
+    f16_rows = f16 and config.f16_rows and not config.swap_ab
+    down = y
+    if f16_rows:
+        x16 = torch.empty(rows, k, dtype=torch.float16, device=x.device)
+        down = torch.empty(rows, dtype=torch.float32, device=x.device)
+        _f16_rows_kernel[(rows,)](x2, x16, down, k, x2.stride(0), BLOCK=F16_ROWS_BLOCK, num_warps=4, **launch_args(x2))
+        x2 = x16
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(rows, config.block_m), splits)
-    _stream_kernel[grid](x2, weight, s, b, y, part, rows, n, k, x2.stride(0), weight.stride(0), weight.stride(1),
+    _stream_kernel[grid](x2, weight, s, b, y, part, down, rows, n, k, x2.stride(0), weight.stride(0), weight.stride(1),
                      y.stride(0), k_per_split, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                      BLOCK_K=config.block_k, SPLIT=splits, EVEN_K=k % config.block_k == 0,
                      HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, DOT_FP32=_INTERPRETED,
-                     SWAP_AB=config.swap_ab and config.block_m > 1, F16=takes_f16(config, weight.dtype, x2.dtype), num_warps=config.warps, num_stages=config.stages, **launch_args(x2))
+                     SWAP_AB=config.swap_ab and config.block_m > 1, F16=f16, F16_ROWS=f16_rows,
+                     num_warps=config.warps, num_stages=config.stages, **launch_args(x2))
     if splits > 1:
         _sum_splits_kernel[(rows, triton.cdiv(n, REDUCE_BLOCK))](
             part, s, b, y, rows, n, y.stride(0), SPLIT=splits, HAS_SCALE=scale is not None,

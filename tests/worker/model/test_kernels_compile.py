@@ -63,14 +63,19 @@ def _cases():
     for rows, c in (*stream_gemm.LAUNCH_CONFIGS, *stream_gemm.F16_LAUNCH_CONFIGS):
         for w, split, y in ((f8, 1, bf), (f8, 4, bf), (bf, 1, bf)):
             f16 = stream_gemm.takes_f16(c, torch.float8_e4m3fn if w == f8 else torch.bfloat16, torch.bfloat16)
+            f16_rows = f16 and c.f16_rows
             yield (f"stream product, {rows} rows, {w[1:]} weight, {split} splits, {y[1:]} Y, fp16 dot {f16}",
-                   stream_gemm._stream_kernel, dict(X=bf, W=w, SCALE=f32, BIAS=bf, Y=y, PART=f32),
+                   stream_gemm._stream_kernel,
+                   dict(X="*fp16" if f16_rows else bf, W=w, SCALE=f32, BIAS=bf, Y=y, PART=f32, DOWN=f32),
                    dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=split, EVEN_K=True,
                         HAS_SCALE=w == f8, HAS_BIAS=False, DOT_FP32=False, SWAP_AB=c.swap_ab and c.block_m > 1,
-                        F16=f16, GDC=True), (c.warps, c.stages))
-    yield ("stream product, fp16 dot swapped", stream_gemm._stream_kernel, dict(X=bf, W=f8, SCALE=f32, BIAS=bf, Y=bf, PART=f32),
+                        F16=f16, F16_ROWS=f16_rows, GDC=True), (c.warps, c.stages))
+    yield ("stream product, fp16 dot swapped", stream_gemm._stream_kernel,
+           dict(X=bf, W=f8, SCALE=f32, BIAS=bf, Y=bf, PART=f32, DOWN=f32),
            dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT=4, EVEN_K=True, HAS_SCALE=True, HAS_BIAS=False, DOT_FP32=False,
-                SWAP_AB=True, F16=True, GDC=True), (4, 4))
+                SWAP_AB=True, F16=True, F16_ROWS=False, GDC=True), (4, 4))
+    yield ("f16 rows", stream_gemm._f16_rows_kernel, dict(X=bf, X16="*fp16", DOWN=f32),
+           dict(BLOCK=stream_gemm.F16_ROWS_BLOCK, GDC=True), 4)
     for t, block_m, block_n, direct in [(1, 16, 64, False), (8, 64, 64, False), (64, 64, attention.TILED_BLOCK_N, True),
                                         (64, 64, 64, False)]:     # the expert at batch 1-2: split tiles
         yield (f"attention split, T={t}", attention._split_kernel,

@@ -71,19 +71,23 @@ out["f16"] = []
 bf16_form = LaunchConfig(block_m=16, block_n=32, block_k=64, warps=4, stages=2)
 f16_form = LaunchConfig(block_m=16, block_n=32, block_k=64, warps=4, stages=2, f16=True)
 for m, n, k, dtype, fp8_weight, swap in [(8, 70, 300, "bfloat16", True, False), (5, 45, 129, "bfloat16", True, True),
-                                         (8, 70, 300, "float32", True, False), (8, 70, 300, "bfloat16", False, False)]:
+                                         (8, 70, 300, "float32", True, False), (8, 70, 300, "bfloat16", False, False),
+                                         (20, 70, 300, "bfloat16", True, False)]:
     dt = getattr(torch, dtype)
     w = torch.randn(n, k, generator=gen)
     w, scale = fp8.quantize_weight(w) if fp8_weight else (w.to(dt), None)
     x = (torch.randn(m, k, generator=gen) * torch.logspace(-6, 6, m)[:, None]).to(dt)
     x[1] = 0.0
-    forms = [dataclasses.replace(c, swap_ab=swap) for c in (bf16_form, f16_form)]
-    y0, y1 = (stream_linear(x, w, scale, config=c, splits=2) for c in forms)
+    forms = [dataclasses.replace(c, swap_ab=swap, block_m=16 if m <= 16 else 32) for c in (bf16_form, f16_form)]
+    forms.append(dataclasses.replace(forms[1], f16_rows=True, swap_ab=False))     # the rows made fp16 first
     ref = x.double() @ (w.double() * (scale.double()[:, None] if fp8_weight else 1)).t()
-    row_err = ((y1.double() - ref).norm(dim=1) / ref.norm(dim=1).clamp(min=1e-300)).tolist()
-    out["f16"].append(dict(case=[m, n, k, dtype, fp8_weight, swap], finite=bool(torch.isfinite(y1).all()),
-                           same_bits_as_bf16_form=torch.equal(y0, y1), zero_row=bool((y1[1] == 0).all()),
-                           worst_row_rel_err=max(e for i, e in enumerate(row_err) if i != 1)))
+    y0 = stream_linear(x, w, scale, config=forms[0], splits=2)
+    for form, c in zip(("tile", "rows"), forms[1:]):
+        y1 = stream_linear(x, w, scale, config=c, splits=2)
+        row_err = ((y1.double() - ref).norm(dim=1) / ref.norm(dim=1).clamp(min=1e-300)).tolist()
+        out["f16"].append(dict(case=[m, n, k, dtype, fp8_weight, swap], form=form, finite=bool(torch.isfinite(y1).all()),
+                               same_bits_as_bf16_form=torch.equal(y0, y1), zero_row=bool((y1[1] == 0).all()),
+                               worst_row_rel_err=max(e for i, e in enumerate(row_err) if i != 1)))
 # Fp8Linear: which product runs for few rows, many rows, and inside reference_only()
 lin = fp8.Fp8Linear(torch.nn.Linear(48, 24, bias=False))
 for name, rows, ref_only in [("few", 3, False), ("limit", fp8.WEIGHT_ONLY_MAX_ROWS, False),
@@ -143,17 +147,20 @@ def test_the_swapped_dot_form_gives_the_product(interpreted):
         assert c["shape"] == [m, n] and c["rel_err"] <= (1e-6 if dtype == "float32" else 1e-2), c
 
 
-def test_the_fp16_dot_form_keeps_rows_far_past_fp16s_range_and_runs_only_where_exact(interpreted):
+def test_the_fp16_dot_forms_keep_rows_far_past_fp16s_range_and_run_only_where_exact(interpreted):
     """e4m3 -> fp16 is one conversion per two values (-> bf16 three); bf16 rows are scaled by a power
-    of two per tile so none overflows fp16 (65,504) or drops into its subnormals: every row, 1e-6
-    to 1e6, within the bf16 output's rounding. fp32 rows and bf16 weights would not convert
-    exactly, so they keep the other form (the same bits)."""
-    cases = {tuple(c["case"]): c for c in interpreted["f16"]}
+    of two per tile, or once per row before the product (the 17-32-row form), so none overflows
+    fp16 (65,504) or drops into its subnormals: every row, 1e-6 to 1e6, within the bf16 output's
+    rounding. fp32 rows and bf16 weights would not convert exactly, so they keep the other form
+    (the same bits)."""
+    cases = {(*c["case"], c["form"]): c for c in interpreted["f16"]}
+    assert {c[-1] for c in cases} == {"tile", "rows"} and len(cases) == 10
     for case, c in cases.items():
         assert c["finite"] and c["zero_row"], c
         assert c["worst_row_rel_err"] <= (1e-6 if case[3] == "float32" else 1e-2), c
-    assert cases[(8, 70, 300, "float32", True, False)]["same_bits_as_bf16_form"]
-    assert cases[(8, 70, 300, "bfloat16", False, False)]["same_bits_as_bf16_form"]
+    for form in ("tile", "rows"):
+        assert cases[(8, 70, 300, "float32", True, False, form)]["same_bits_as_bf16_form"]
+        assert cases[(8, 70, 300, "bfloat16", False, False, form)]["same_bits_as_bf16_form"]
 
 
 def test_fp8_linear_module_uses_the_kernel_for_few_rows_only(interpreted):
@@ -222,9 +229,25 @@ def test_fp16_form_tiles_split_for_a_few_programs_per_multiprocessor():
     from worker.model.stream_gemm import LAUNCH_CONFIGS, f16_operands, launch_config, split_count
 
     c = launch_config(8, 1, f16_operands(torch.float8_e4m3fn, torch.bfloat16))
-    assert c.f16 and c.block_n == 128
+    assert c.f16 and c.block_n == 128 and not c.f16_rows
     assert [split_count(8, n, k, c, 132) for n, k in ((10240, 5120), (5120, 8192), (51200, 5120), (5120, 25600))] \
         == [4, 8, 1, 8]
     assert launch_config(16, 1, True) == c and launch_config(1, 1, True) == LAUNCH_CONFIGS[0][1]
     for w, x in ((torch.float8_e4m3fn, torch.float32), (torch.bfloat16, torch.bfloat16)):
         assert not launch_config(8, w.itemsize, f16_operands(w, x)).f16
+
+
+def test_17_to_32_rows_make_their_rows_fp16_before_the_product():
+    """17-32 rows (verify(8) at batch 3-4 and at K=3): the rows made fp16 once, each tile's products
+    accumulated in the tensor cores (H200: the 32B layer 205.1 us at 24 rows against 221.0 for the
+    bf16 dot form, 233.6 for rows scaled tile by tile); fp32 rows and bf16 weights keep the general
+    table's entry, and 33 rows and more theirs."""
+    import torch
+
+    from worker.model.stream_gemm import LAUNCH_CONFIGS, f16_operands, launch_config
+
+    for rows in (17, 24, 32):
+        c = launch_config(rows, 1, f16_operands(torch.float8_e4m3fn, torch.bfloat16))
+        assert c.f16 and c.f16_rows and c.block_m == 32 and not c.swap_ab, (rows, c)
+    assert launch_config(24, 1, False) == launch_config(24, 2, False) == LAUNCH_CONFIGS[2][1]
+    assert not launch_config(33, 1, True).f16
