@@ -26,8 +26,8 @@ Two forms, chosen per number of rows by `LAUNCH_CONFIGS`:
         products, us): 8 rows 177.3 -> 160.8, 16 rows 182.9 -> 167.6; 32 rows 214 -> 243 and 64
         rows 293 -> 400 (not used there); fp8 verify(8) step, batch 1, 13.47 -> 12.51 ms. Its own
         table (`F16_LAUNCH_CONFIGS`): 128-wide tiles split for ~2.4 programs a multiprocessor.
-        For 17-32 rows the rows are made fp16 once, before the product (`f16_rows`: one power of
-        two per row, not per tile), so each tile's products accumulate in the tensor cores: scaling
+        For 17-32 rows the rows are made fp16 once, before the product (`_f16_rows_kernel`: one
+        power of two per row, not per tile), so each tile's products accumulate in the tensor cores: scaling
         each tile's rows cost more there than the conversions it saves. Bit moves in place of the
         e4m3 -> fp16 conversion (integer ops, or PTX byte permutes as fp8 Marlin does) were slower
         at 8-64 rows (H200, 2026-12-04: 179-271 against 148 us a layer at 8 rows), and a widening
@@ -80,9 +80,9 @@ class LaunchConfig:
     f16: bool = False                  # dot form with fp16 operands for e4m3 weights and bf16 / fp16 rows
                                        # (`f16_tile_product`: e4m3 -> fp16 is one conversion per two values,
                                        # -> bf16 three)
-    f16_rows: bool = False             # ... with the rows made fp16 once, before the product (`f16_rows`: one
-                                       # power of two per row), so the tiles accumulate in the tensor cores
-                                       # (not swapped)
+    f16_rows: bool = False             # ... with the rows made fp16 once, before the product
+                                       # (`_f16_rows_kernel`: one power of two per row), so the tiles
+                                       # accumulate in the tensor cores (not swapped)
     programs_per_sm: float | None = None   # `split_count`'s target (None: PROGRAMS_PER_SM, 1 for 2-byte weights)
 
 
