@@ -25,7 +25,7 @@ try:                                   # Triton ships with CUDA builds of torch;
     import triton
     import triton.language as tl
 
-    from worker.model.fused_ops import divide_rn, row_scale
+    from worker.model.fused_ops import divide_rn, row_amax, row_scale
 except ImportError:                    # pragma: no cover - exercised only on Triton-less installs
     triton = None
 
@@ -53,12 +53,7 @@ if triton is not None:
     @triton.jit
     def _quantize_rows_kernel(X, Q, S, K, sx, sq, BLOCK: tl.constexpr, E4M3: tl.constexpr):
         row = tl.program_id(0)
-        amax = tl.zeros((BLOCK,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK):
-            cols = k0 + tl.arange(0, BLOCK)
-            x = tl.load(X + row * sx + cols, mask=cols < K, other=0.0)
-            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        scale = row_scale(tl.max(amax, 0), E4M3)
+        scale = row_scale(row_amax(X, row, sx, K, BLOCK), E4M3)
         tl.store(S + row, scale)
         inv = tl.math.div_rn(1.0, scale)
         for k0 in range(0, K, BLOCK):

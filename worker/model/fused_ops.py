@@ -96,6 +96,16 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
+    def row_amax(X, row, sx, K, BLOCK: tl.constexpr):
+        """The largest magnitude of row `row` of X (K values, row stride sx) in fp32, read in BLOCK
+        columns a step."""
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            amax = tl.maximum(amax, tl.abs(tl.load(X + row * sx + cols, mask=cols < K, other=0.0).to(tl.float32)))
+        return tl.max(amax, 0)
+
+    @triton.jit
     def row_scale(amax, E4M3: tl.constexpr):
         """A row's e4m3 scale from its largest magnitude, as `fp8.quantize_rows_reference` computes it:
         times the fp32 reciprocal of E4M3, floored at 1e-12. (torch on CUDA turns `amax / 448` into

@@ -63,7 +63,7 @@ try:                                   # Triton ships with CUDA builds of torch;
     import triton
     import triton.language as tl
 
-    from worker.model.fused_ops import gdc_enter
+    from worker.model.fused_ops import gdc_enter, row_amax
 except ImportError:                    # pragma: no cover - exercised only on Triton-less installs
     triton = None
 
@@ -223,11 +223,7 @@ if triton is not None:
         magnitude, in fp16 (exact for bf16 values down to 2^-31 of it); DOWN = the power back."""
         gdc_enter(GDC)
         row = tl.program_id(0)
-        amax = tl.zeros((BLOCK,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK):
-            cols = k0 + tl.arange(0, BLOCK)
-            amax = tl.maximum(amax, tl.abs(tl.load(X + row * sx + cols, mask=cols < K, other=0.0).to(tl.float32)))
-        up, down = f16_scales(tl.max(amax, axis=0))
+        up, down = f16_scales(row_amax(X, row, sx, K, BLOCK))
         tl.store(DOWN + row, down)
         for k0 in range(0, K, BLOCK):
             cols = k0 + tl.arange(0, BLOCK)
