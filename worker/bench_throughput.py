@@ -361,7 +361,7 @@ def demo_fp8(t: Table, checkpoint: str, n: int = 32) -> list[str]:
     runs = {}
     for precision in ("bf16", "fp8"):
         rt = AlpamayoRuntime.load(checkpoint, precision=precision)
-        logits = torch.stack([rt._prefill(rt._prepare(r), ())[0] for r in reqs]).double()
+        logits = torch.stack([rt._prefill([rt._prepare(r)], ())[0][0] for r in reqs]).double()
         runs[precision] = (logits, [res.token_ids for res in rt.run(reqs)])
         del rt
     (lb, tb), (l8, t8) = runs["bf16"], runs["fp8"]
@@ -437,13 +437,13 @@ def profile_prefill(image_hw: tuple[int, int] | None = None, shape: str = "32b",
             if precision == "fp8":
                 to_fp8(rt, model)
             for _ in range(2):
-                rt._prefill(p, ())
-            full = wall(lambda: rt._prefill(p, ()))
+                rt._prefill([p], ())
+            full = wall(lambda: rt._prefill([p], ()))
             vision = wall(vision_only)
             text = wall(text_only)
             lines.append(f"\n## {precision}: prefill {full:.1f} ms = vision tower {vision:.1f} ms + text stack "
                          f"(no images) {text:.1f} ms + rest {full - vision - text:.1f} ms")
-            lines += _profiled(lambda: rt._prefill(p, ()), precision)[1]
+            lines += _profiled(lambda: rt._prefill([p], ()), precision)[1]
     return _report(lines, out_dir, "prefill.txt")
 
 

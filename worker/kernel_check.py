@@ -21,6 +21,7 @@ import torch
 if not torch.cuda.is_available():        # before Triton is imported: no GPU -> Triton's interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from worker.model import fp8  # noqa: E402
 from worker.model.attention import attend_reference, cache_attention  # noqa: E402
 from worker.model.decoder import apply_rope, rms_norm, rope_cos_sin  # noqa: E402
 from worker.model.fp8 import quantize_rows, quantize_rows_reference, quantize_weight  # noqa: E402
@@ -274,7 +275,12 @@ def check_model(shape: str, dtype, dev, gen) -> list[tuple[str, float, float]]:
     out.append(("draft context write: K", *rel_err(kf.gather(2, at), k_ref)))
     out.append(("draft context write: V", *rel_err(vf.gather(2, at), v_ref)))
     out += check_prefill(rt, "", dtype)
-    to_fp8(rt, model)
+    # this model's widths are below fp8.FP8_MM_MIN_FEATURES: lowered, its products check the fp8 x fp8 forms
+    floor, fp8.FP8_MM_MIN_FEATURES = fp8.FP8_MM_MIN_FEATURES, 16
+    try:
+        to_fp8(rt, model)
+    finally:
+        fp8.FP8_MM_MIN_FEATURES = floor
     fp8_rows, (cache, ref_cache, delta) = check_decoder_steps(rt, "fp8 ", rows, cap, dtype, dev, gen)
     out += fp8_rows
     # one row: the batch-1 expert's 64-row products (fp8 x fp8 q/k/v and gate/up, weight-only o and down)
@@ -294,13 +300,22 @@ def check_prefill(rt, tag: str, dtype, cameras: int | None = None) -> list[tuple
     p = rt._prepare(scenes(1, 1, (64, 64), "kernel-check", cameras=CAMERAS[:cameras])[0])
     p.pixel_values = p.pixel_values.to(dtype)
     last = len(rt.decoder.stack.layers) - 1
-    logits, kv, hidden = rt._prefill(p, (0,))
+    logits, kv, hidden = rt._prefill([p], (0,))
     with reference_only():
-        r_logits, r_kv, r_hidden = rt._prefill(p, (0,))
-    return [(f"{tag}prefill ({len(p.input_ids)} tokens): logits", *rel_err(logits, r_logits)),
-            (f"{tag}prefill: captured hidden", *rel_err(hidden[0], r_hidden[0])),
-            (f"{tag}prefill: layer 0 K", *rel_err(kv[0][0], r_kv[0][0])),
-            (f"{tag}prefill: layer {last} V", *rel_err(kv[last][1], r_kv[last][1]))]
+        r_logits, r_kv, r_hidden = rt._prefill([p], (0,))
+    out = [(f"{tag}prefill ({len(p.input_ids)} tokens): logits", *rel_err(logits, r_logits)),
+           (f"{tag}prefill: captured hidden", *rel_err(hidden[0], r_hidden[0])),
+           (f"{tag}prefill: layer 0 K", *rel_err(kv[0][0], r_kv[0][0])),
+           (f"{tag}prefill: layer {last} V", *rel_err(kv[last][1], r_kv[last][1]))]
+    if not tag:         # two prompts in one pass (`AlpamayoRuntime._prefill` of a group): the second's rows
+        q = rt._prepare(scenes(2, 1, (64, 64), "kernel-check")[1])
+        q.pixel_values = q.pixel_values.to(dtype)
+        g_logits, g_kv, g_hidden = rt._prefill([p, q], (0,))
+        a_logits, a_kv, a_hidden = rt._prefill([q], (0,))
+        out += [("prefill, 2 prompts a pass against 1: logits", *rel_err(g_logits[1], a_logits[0])),
+                ("prefill, 2 prompts a pass against 1: captured hidden", *rel_err(g_hidden[0][1], a_hidden[0][0])),
+                (f"prefill, 2 prompts a pass against 1: layer {last} V", *rel_err(g_kv[last][1][1], a_kv[last][1][0]))]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                          "128,256), e.g. 8,32")
     ap.add_argument("--prefill", action="store_true",
                     help="with --sweep: also time the prefill's product forms and attention backends (PREFILL_ROWS rows)")
+    ap.add_argument("--small", action="store_true",
+                    help="with --sweep: only the many-row products of small weights, dequantised against fp8 x fp8")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if gpu else "cpu")
     SHAPES_ACTIVE.update(SHAPES[args.shape])
@@ -359,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep and gpu:
         from worker import kernel_sweep
 
-        kernel_sweep.run(dev, gen, args.fp8_only, args.rows, args.prefill)
+        kernel_sweep.run(dev, gen, args.fp8_only, args.rows, args.prefill, args.small)
     print(f"{'FAILED' if failed else 'passed'}: {failed} check(s) out of bounds")
     return 1 if failed else 0
 

@@ -18,8 +18,11 @@ from worker.model.layers import GEMV_MAX_ROWS
 from worker.model.stream_gemm import LaunchConfig, launch_config, stream_linear
 
 
-def run(dev, gen, fp8_only: bool, rows: str | None, prefill: bool) -> None:
+def run(dev, gen, fp8_only: bool, rows: str | None, prefill: bool, small: bool = False) -> None:
     """The sweeps `python -m worker.kernel_check --sweep` asks for."""
+    if small:
+        sweep_small_products(dev, gen)
+        return
     if not fp8_only:
         sweep_decode_attention(dev, gen, copy_bandwidth(dev))
         sweep_expert_attention(dev, gen)
@@ -205,6 +208,38 @@ def sweep_fp8_prefill(dev, gen, rows: int = PREFILL_ROWS) -> None:
         cells.append(f"{form(lambda a: quantize_rows(before(a, False)), src, flop=0)} / "
                      f"{form(lambda a: before(a, True), src, flop=0)}" if before else "-")
         print(f"| {name} ({n}x{k}) | " + " | ".join(cells) + " |", flush=True)
+
+
+SMALL_ROWS = (630, 4623, 17280)       # a demo prompt, a 24-image 32B prompt, its vision tower's patches
+
+
+def sweep_small_products(dev, gen) -> None:
+    """Where fp8 x fp8 stops paying for many rows (`fp8.FP8_MM_MIN_FEATURES`): weights of d x d,
+    4d x d and d x 4d for d from 128 (the demo checkpoint's widths) to 2,048 (the 32B vision tower's
+    1,152 among them) at SMALL_ROWS rows, bf16 activations in: the dequantised weight's F.linear
+    (what smaller weights take) against `quantize_rows` + `_scaled_mm` (`scaled_mm_linear`) and
+    `_scaled_mm` alone (its input handed over quantised); graph replays (kernel time) and eager
+    calls (launches included), us."""
+    import triton.testing
+
+    from worker.model.stream_gemm import stream_linear_reference
+
+    print("\n| weight (N x K) | rows | dequantised F.linear | quantize + _scaled_mm | _scaled_mm alone "
+          "| eager: dequantised / quantize + _scaled_mm |\n" + "|---" * 6 + "|")
+    for d in (128, 256, 512, 768, 1024, 1152, 2048):
+        for n, k in ((d, d), (4 * d, d), (d, 4 * d)):
+            w8, scale = quantize_weight(torch.randn(n, k, device=dev, generator=gen))
+            for rows in SMALL_ROWS:
+                x = torch.randn(rows, k, device=dev, generator=gen).to(torch.bfloat16)
+                xq, x_scale = quantize_rows(x)
+                forms = (lambda: stream_linear_reference(x, w8, scale),
+                         lambda: scaled_mm_linear(x, w8, scale),
+                         lambda: torch._scaled_mm(xq, w8.t(), scale_a=x_scale, scale_b=scale[None, :],
+                                                  out_dtype=torch.bfloat16, use_fast_accum=True))
+                graphed = [triton.testing.do_bench_cudagraph(f, return_mode="median") * 1e3 for f in forms]
+                eager = [triton.testing.do_bench(f, return_mode="median") * 1e3 for f in forms[:2]]
+                print(f"| {n} x {k} | {rows} | " + " | ".join(f"{us:.1f}" for us in graphed)
+                      + f" | {eager[0]:.1f} / {eager[1]:.1f} |", flush=True)
 
 
 def sweep_prefill_attention(dev, gen, rows: int = PREFILL_ROWS) -> None:

@@ -45,11 +45,12 @@ class StaticKVCache:
         return self.k.shape[1]
 
     def load_prefix(self, layer_kv: list[tuple[torch.Tensor, torch.Tensor]], rows: slice) -> None:
-        """Copy a prefill's per-layer K/V (1, Hkv, P, D) into `rows` (the K-way fork)."""
+        """Copy a prefill's per-layer K/V (G, Hkv, P, D) of G prompts into `rows`, K consecutive
+        rows each (the K-way fork; len(rows) = G x K)."""
         for layer, (k, v) in enumerate(layer_kv):
-            p = k.shape[2]
-            self.k[layer, rows, :, :p] = k[0].to(self.k.dtype)
-            self.v[layer, rows, :, :p] = v[0].to(self.v.dtype)
+            g, p = k.shape[0], k.shape[2]
+            self.k[layer, rows, :, :p].unflatten(0, (g, -1)).copy_(k[:, None])
+            self.v[layer, rows, :, :p].unflatten(0, (g, -1)).copy_(v[:, None])
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,

@@ -172,12 +172,13 @@ def _placeholder_mask(self, input_ids, inputs_embeds, image_features=None, video
 
 
 def _deepstack_add(self, hidden_states, visual_pos_masks, visual_embeds, *, index: torch.Tensor):
-    """Qwen3VLTextModel._deepstack_process for one prompt by the image tokens' positions (from the
-    host's prompt) instead of a boolean mask (which reads its count from the device): the same sums."""
-    if hidden_states.shape[0] != 1 or visual_embeds.shape[0] != index.numel():
+    """Qwen3VLTextModel._deepstack_process by the image tokens' positions among the prompts' G x P
+    tokens (from the host's prompts) instead of a boolean mask (which reads its count from the
+    device): the same sums."""
+    if visual_embeds.shape[0] != index.numel():
         return type(self)._deepstack_process(self, hidden_states, visual_pos_masks, visual_embeds)
     hidden_states = hidden_states.clone()
-    rows = hidden_states[0]
+    rows = hidden_states.view(-1, hidden_states.shape[-1])
     rows[index] = rows[index] + visual_embeds.to(rows.device, rows.dtype)
     return hidden_states
 
@@ -191,8 +192,8 @@ class fast_vision_paths:
                       "get_vision_interpolation_indices_and_weights")
 
     def __init__(self, model, prompt_ids: torch.Tensor | None = None, graphs=None):
-        """prompt_ids (P,) on the host: the one prompt the model is called with (input_ids =
-        prompt_ids[None] on the device, image_grid_thw on the host): the host-grid paths. graphs
+        """prompt_ids (G x P,) on the host: the prompts the model is called with, flattened
+        (input_ids = prompt_ids.view(G, P) on the device, image_grid_thw on the host): the host-grid paths. graphs
         (an enabled `graphs.GraphCache`, with prompt_ids): the tower replays as a CUDA graph."""
         self.vlm = model.vlm.model
         self.visual = self.vlm.visual

@@ -40,6 +40,11 @@ WEIGHT_ONLY_MAX_ROWS = 64
 # 1.67e-3 (the bf16 output's rounding) to 2.3e-3 (qkv, gate/up) and 4.4e-3 (down, K = 25,600),
 # well under what quantising the activations to e4m3 costs.
 FAST_ACCUM = True
+# fp8 x fp8 products only for weights at least this wide and tall: smaller ones (the demo
+# checkpoint's 128-768-wide layers) are bound by their launches at any prompt length, so e4m3
+# activations would cost accuracy for no speed; their many rows take the dequantised weight.
+# `python -m worker.kernel_check --sweep --small` times both forms on the GPU.
+FP8_MM_MIN_FEATURES = 1024
 
 
 def quantize_rows_reference(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,6 +89,12 @@ def _has_fp8_mm(device: torch.device) -> bool:
         and hasattr(torch, "_scaled_mm")
 
 
+def _fast_product(w8: torch.Tensor) -> bool:
+    """Whether many rows times the e4m3 weight w8 (out, in) run as `_scaled_mm` (fp8 tensor cores,
+    dimensions multiples of 16, both at least FP8_MM_MIN_FEATURES) rather than the dequantised weight."""
+    return _has_fp8_mm(w8.device) and all(d % 16 == 0 and d >= FP8_MM_MIN_FEATURES for d in w8.shape)
+
+
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, in) weight -> (its e4m3 values (out, in), fp32 scale per output channel (out,))."""
     w8, scale = quantize_rows_reference(weight.detach().float())
@@ -103,7 +114,7 @@ class Fp8Linear(nn.Module):
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.compute_dtype = linear.weight.dtype
-        self.fast = _has_fp8_mm(w8.device) and self.in_features % 16 == 0 and self.out_features % 16 == 0
+        self.fast = _fast_product(w8)
 
     @classmethod
     def from_parts(cls, weight: torch.Tensor, scale: torch.Tensor, compute_dtype: torch.dtype) -> "Fp8Linear":
@@ -115,7 +126,7 @@ class Fp8Linear(nn.Module):
         m.bias = None
         m.out_features, m.in_features = weight.shape
         m.compute_dtype = compute_dtype
-        m.fast = _has_fp8_mm(weight.device) and m.in_features % 16 == 0 and m.out_features % 16 == 0
+        m.fast = _fast_product(weight)
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

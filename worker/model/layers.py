@@ -176,9 +176,9 @@ class FusedStack:
 
     def prefill_layer(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       kv: list) -> torch.Tensor:
-        """Layer i over a whole prompt: h (1, P, H) -> (1, P, H), as transformers' decoder layer
-        computes it (cos, sin (1, P, D): its rotary embedding); the layer's K/V (1, Hkv, P, D)
-        are stored in kv[i]."""
+        """Layer i over G whole prompts of P tokens: h (G, P, H) -> (G, P, H), as transformers'
+        decoder layer computes it (cos, sin (G, P, D): its rotary embedding); the layer's K/V
+        (G, Hkv, P, D) are stored in kv[i]."""
         layer = self.layers[i]
         a, mlp = layer.self_attn, layer.mlp
         qkv_proj, gate_up_proj, (hq, hkv) = self.parts[i]
@@ -197,15 +197,13 @@ class FusedStack:
 
     @contextlib.contextmanager
     def prefilling(self):
-        """Within: every layer's forward, as transformers' text model calls it for one prompt
-        (batch 1, no padding, an empty cache), is `prefill_layer`. Yields the list that receives
-        each layer's (K, V) (1, Hkv, P, D); the model's own cache object stays empty."""
+        """Within: every layer's forward, as transformers' text model calls it for G prompts of
+        one length (no padding, an empty cache), is `prefill_layer`. Yields the list that receives
+        each layer's (K, V) (G, Hkv, P, D); the model's own cache object stays empty."""
         kv: list = [None] * len(self.layers)
 
         def forward(i):
             def run(hidden_states, *args, position_embeddings, **kwargs):
-                if hidden_states.shape[0] != 1:
-                    raise ValueError(f"fused prefill takes one prompt, got a batch of {hidden_states.shape[0]}")
                 return self.prefill_layer(i, hidden_states, *position_embeddings, kv)
             return run
 

@@ -7,8 +7,8 @@
 
 The persistent cache is static: every row holds `capacity` columns (prompt + reasoning + verify
 block + the expert's action columns) of every target layer, plus the DFlash2 draft's context
-cache on dflash2 profiles. `reserve` covers what is not weights or cache: the prefill's own
-transformers cache of one scene and its activations, the vision tower, logits, CUDA graph pools.
+cache on dflash2 profiles. `reserve` covers what is not weights or cache: a prefill pass's own
+cache (one scene's at full length, or PREFILL_TOKENS columns) and its activations, the vision tower, logits, CUDA graph pools.
 A batch with more rows than `max_rows` runs in chunks of at most `max_rows` rows; a plan that
 cannot hold one scene at the largest K is refused at startup.
 """
@@ -20,6 +20,11 @@ from dataclasses import dataclass
 from worker.errors import Refusal
 
 GIB = 1 << 30
+# Prompt tokens one prefill pass holds at most (scenes of one prompt length share a pass, as vLLM's
+# max_num_batched_tokens batches prompts): the demo's 630-token prompts go 6 a pass, a 32B scene's
+# 4,623 tokens alone. The reserve holds a prefill cache of this many columns or of a row's capacity
+# (the larger: at 32B capacities, >= 4,992 columns, the reserve is what one scene's needed before).
+PREFILL_TOKENS = 4096
 
 
 class MemoryPlanError(Refusal):
@@ -62,8 +67,8 @@ class MemoryPlan:
 
 def reserve_bytes(device_total: int, prompt_cache_bytes: int) -> int:
     """Headroom besides weights and the persistent cache: 4 GiB or 4% of the device (the larger:
-    activations, vision tower, logits, graph pools) plus one scene's prefill cache at full length
-    (transformers' own cache, copied into the persistent one)."""
+    activations, vision tower, logits, graph pools) plus one prefill pass's cache (transformers' own
+    or the fused layers', copied into the persistent one)."""
     return max(4 * GIB, int(0.04 * device_total)) + prompt_cache_bytes
 
 
@@ -76,7 +81,7 @@ def plan(device: str, device_total: int, fraction: float, weights: int, bytes_pe
     """
     if not device_total:
         return MemoryPlan(device, 0, fraction, weights, 0, bytes_per_column, capacity, rows_wanted)
-    reserve = reserve_bytes(device_total, (prefill_bytes_per_column or bytes_per_column) * capacity)
+    reserve = reserve_bytes(device_total, (prefill_bytes_per_column or bytes_per_column) * max(capacity, PREFILL_TOKENS))
     free = int(fraction * device_total) - weights - reserve
     fit = max(0, free // max(1, bytes_per_column * capacity))
     p = MemoryPlan(device, device_total, fraction, weights, reserve, bytes_per_column, capacity,
@@ -118,7 +123,11 @@ def scenes_that_fit(device_total: int, fraction: float, model: ModelBytes, capac
 
 def longest_rows_for(device_total: int, fraction: float, model: ModelBytes, scenes: int, k: int) -> int:
     """The largest capacity (columns per row) at which `scenes` scenes of K samples fit:
-    fraction x total - weights - fixed reserve >= capacity x (scenes x K x column + prefill column)."""
+    fraction x total - weights - fixed reserve >= capacity x scenes x K x column + max(capacity,
+    PREFILL_TOKENS) x prefill column."""
     fixed = reserve_bytes(device_total, 0)
     free = int(fraction * device_total) - model.weights - fixed
-    return max(0, free // (scenes * k * model.bytes_per_column + model.prefill_bytes_per_column))
+    longest = free // (scenes * k * model.bytes_per_column + model.prefill_bytes_per_column)
+    if longest < PREFILL_TOKENS:        # the prefill pass's cache is PREFILL_TOKENS columns then
+        longest = (free - PREFILL_TOKENS * model.prefill_bytes_per_column) // (scenes * k * model.bytes_per_column)
+    return max(0, longest)

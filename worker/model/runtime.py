@@ -1,10 +1,11 @@
 """The model runtime the engine (worker/engine.py) drives: a batch of validated scenes (one task,
 one K) in, per-scene results with per-stage timings out.
 
-Per batch: image prep and prefill run per scene (the vision tower and the prompt's K/V are
+Per batch: image prep and prefill run a pass per run of scenes with one prompt length (at most
+`memory_plan.PREFILL_TOKENS` prompt tokens a pass; the vision tower and the prompts' K/V are
 computed once per scene through transformers' Qwen3-VL; on the GPU with the fused layers of
-`layers.FusedStack.prefilling` and the batched vision attention of `fast_vision`); the prompt cache is forked K ways into
-the static cache; all rows then decode together (baseline, or DFlash2 for trajectory requests
+`layers.FusedStack.prefilling` and the batched vision attention of `fast_vision`); each prompt's cache is forked K
+ways into the static cache; all rows then decode together (baseline, or DFlash2 for trajectory requests
 on a dflash2 profile); trajectory rows end with the flow-matching expert over the cache up to
 each row's own `<|traj_future_start|>`.
 """
@@ -35,6 +36,7 @@ from worker.model.fused_ops import available as fused_available
 from worker.model.generate import Speculator, baseline_decode, start_batch
 from worker.model.graphs import GraphCache, bucket
 from worker.model.inputs import ImageProcessing, PromptBuilder, PromptSpec, to_device, to_host
+from worker.model.memory_plan import PREFILL_TOKENS
 from worker.model.sampling import SamplingParams, sample_key
 from worker.model.staging import StagedFrames
 from worker.model.tokenizer import generation_stop_ids, load_chat_template, load_tokenizer
@@ -160,6 +162,17 @@ class _Marks:
         return [(b - a) * 1000.0 for a, b in zip(self.marks, self.marks[1:])]
 
 
+def prefill_groups(lengths: list[int], budget: int) -> list[slice]:
+    """The prefill passes of scenes with these prompt lengths, in order: runs of one length whose
+    prompts hold at most `budget` tokens together (a scene alone where none joins it)."""
+    groups, start = [], 0
+    for s in range(1, len(lengths) + 1):
+        if s == len(lengths) or lengths[s] != lengths[start] or (s + 1 - start) * lengths[start] > budget:
+            groups.append(slice(start, s))
+            start = s
+    return groups
+
+
 class AlpamayoRuntime:
     def __init__(self, model, cfg: AlpamayoConfig, tokenizer, token_ids: TokenIds, image_proc: ImageProcessing,
                  device: torch.device, dtype: torch.dtype, speculator: Speculator | None = None,
@@ -264,22 +277,30 @@ class AlpamayoRuntime:
         return p.pixel_values
 
     @torch.inference_mode()
-    def _prefill(self, p: _Prepared, capture: tuple[int, ...]):
-        """-> (last-position logits (V,) fp32, per-layer K/V list, {layer: hidden (1, P, H)})."""
+    def _prefill(self, ps: list[_Prepared], capture: tuple[int, ...]):
+        """One pass over the prompts of `ps` (G scenes of one prompt length P, pixel values on the
+        device) -> (last-position logits (G, V) fp32, per-layer K/V list of (G, Hkv, P, D) pairs,
+        {layer: hidden (G, P, H)})."""
         captured: dict[int, torch.Tensor] = {}
         hooks = [self.model.language_model.layers[i].register_forward_hook(
             lambda _m, _i, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out))
             for i in capture]
-        fused = fused_available(p.pixel_values)          # GPU: fused layers, batched vision attention
+        one = len(ps) == 1
+        pixel_values = ps[0].pixel_values if one else torch.cat([p.pixel_values for p in ps])
+        grid = ps[0].grid if one else torch.cat([p.grid for p in ps])
+        input_ids = torch.stack([p.input_ids for p in ps])
+        fused = fused_available(pixel_values)          # GPU: fused layers, batched vision attention
         try:
             with contextlib.ExitStack() as paths:
                 if fused:                   # the grid stays on the host (fast_vision: no device reads)
-                    paths.enter_context(fast_vision_paths(self.model, prompt_ids=p.input_ids, graphs=self.graphs))
+                    paths.enter_context(fast_vision_paths(self.model, prompt_ids=input_ids.flatten(),
+                                                          graphs=self.graphs))
                     fused_kv = paths.enter_context(self.decoder.stack.prefilling())
                 out = self.model.vlm.model(
-                    input_ids=to_device(p.input_ids[None], self.device), pixel_values=p.pixel_values,
-                    image_grid_thw=p.grid if fused else p.grid.to(self.device),
-                    position_ids=to_device(p.positions[:, None], self.device), use_cache=not fused)
+                    input_ids=to_device(input_ids, self.device), pixel_values=pixel_values,
+                    image_grid_thw=grid if fused else grid.to(self.device),
+                    position_ids=to_device(torch.stack([p.positions for p in ps], 1), self.device),
+                    use_cache=not fused)
         finally:
             for hk in hooks:
                 hk.remove()
@@ -288,7 +309,7 @@ class AlpamayoRuntime:
         else:
             cache = out["cache"] if "cache" in out.keys() else out["past_key_values"]   # renamed in transformers 5.2x
             layer_kv = [(layer.keys, layer.values) for layer in cache.layers]
-        logits = self.model.lm_head(out.last_hidden_state[0, -1]).float()
+        logits = self.model.lm_head(out.last_hidden_state[:, -1]).float()
         return logits, layer_kv, captured
 
     # ------------------------------------------------------------------ the batch
@@ -376,19 +397,24 @@ class AlpamayoRuntime:
                                   graphs=self.graphs)
         first_logits = torch.zeros(rows, self.model.lm_head.out_features, device=dev)
         marks = _Marks(dev)
-        for s, p in enumerate(ok):
+        # scenes of one prompt length share a prefill pass (share_prefill=False: the reference of K
+        # separate prefills per scene, one scene a pass)
+        groups = prefill_groups(plens, PREFILL_TOKENS if self.share_prefill else 0)
+        for g in groups:
             marks.mark()
-            self._pixel_values(p)
+            for p in ok[g]:
+                self._pixel_values(p)
             marks.mark()
-            # one prefill forked K ways (share_prefill=False: the K-separate-prefills reference)
-            forks = [slice(s * k, (s + 1) * k)] if self.share_prefill else \
-                [slice(r, r + 1) for r in range(s * k, (s + 1) * k)]
-            for rows_ in forks:
-                logits, layer_kv, hidden = self._prefill(p, capture)
+            for fork in range(1 if self.share_prefill else k):
+                logits, layer_kv, hidden = self._prefill(ok[g], capture)
+                rows_ = slice(g.start * k, g.stop * k) if self.share_prefill else slice(g.start * k + fork,
+                                                                                      g.start * k + fork + 1)
                 cache.load_prefix(layer_kv, rows_)
-                first_logits[rows_] = logits
+                first_logits[rows_] = logits.repeat_interleave((rows_.stop - rows_.start) // len(logits), 0)
                 if speculate:
-                    self.speculator.load_context(rows_, hidden, p.rope_delta)
+                    for j, s in enumerate(range(g.start, g.stop)):
+                        self.speculator.load_context(slice(s * k, (s + 1) * k) if self.share_prefill else rows_,
+                                                     {i: h[j:j + 1] for i, h in hidden.items()}, ok[s].rope_delta)
                 del layer_kv
         marks.mark()
         pad = rows - real
@@ -459,12 +485,14 @@ class AlpamayoRuntime:
             xyz, rot = action_to_trajectory(action, hist_xyz, hist_rot, self.cfg.action_space, v0=v0)
             trajectories, rotations = xyz.numpy(), rot.numpy()
             tail_ms = (time.perf_counter() - t_tail) * 1000.0
-        spans = marks.intervals_ms()            # per scene: device image prep, prefill; then decode (, expert)
-        prefill_ms = spans[1:2 * len(ok):2]
-        device_prep_ms = spans[0:2 * len(ok):2] if dev.type == "cuda" else [0.0] * len(ok)  # CPU: staging is host work
-        decode_ms = spans[2 * len(ok)]
+        spans = marks.intervals_ms()            # per prefill pass: device image prep, prefill; then decode (, expert)
+        n = 2 * len(groups)
+        prefill_ms = [spans[2 * i + 1] / (g.stop - g.start) for i, g in enumerate(groups) for _ in ok[g]]  # a scene's share
+        device_prep_ms = [spans[2 * i] / (g.stop - g.start) if dev.type == "cuda" else 0.0  # CPU: staging is host work
+                          for i, g in enumerate(groups) for _ in ok[g]]
+        decode_ms = spans[n]
         if task == "trajectory":                # the expert on the device, then the host's last conversion
-            diffusion_ms = spans[2 * len(ok) + 1] + tail_ms
+            diffusion_ms = spans[n + 1] + tail_ms
         for s, p in enumerate(ok):
             res = results[p.req.request_id]
             if trajectories is not None:

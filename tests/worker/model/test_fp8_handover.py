@@ -84,7 +84,7 @@ conf = Qwen3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, 
 torch.manual_seed(3)
 layers = [Qwen3DecoderLayer(conf, i).eval().requires_grad_(False).to(torch.bfloat16) for i in range(2)]
 from worker.model.layers import FusedStack
-with mock.patch.object(fp8, "_has_fp8_mm", return_value=True):
+with mock.patch.object(fp8, "_has_fp8_mm", return_value=True), mock.patch.object(fp8, "FP8_MM_MIN_FEATURES", 16):
     assert fp8.quantize_linears(torch.nn.ModuleList(layers)) == 14
     stack = FusedStack(layers, head_dim=16)
 assert all(isinstance(p[0], fp8.Fp8Linear) and p[0].fast for p in stack.parts)
@@ -113,7 +113,7 @@ block = Qwen3VLVisionBlock(vconf).eval().requires_grad_(False).to(torch.bfloat16
 for norm in (block.norm1, block.norm2):
     torch.nn.init.normal_(norm.weight, 1.0, 0.2), torch.nn.init.normal_(norm.bias, 0.0, 0.2)
 out["vision_block"] = dict(before=_fp8_block(block))
-with mock.patch.object(fp8, "_has_fp8_mm", return_value=True):
+with mock.patch.object(fp8, "_has_fp8_mm", return_value=True), mock.patch.object(fp8, "FP8_MM_MIN_FEATURES", 16):
     assert fp8.quantize_linears(block) == 4
 out["vision_block"]["after"] = _fp8_block(block)
 xv = torch.randn(3 * 40, 64, generator=gen).to(torch.bfloat16)      # 3 images of 40 patches

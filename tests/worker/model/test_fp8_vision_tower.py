@@ -21,6 +21,7 @@ from worker.model.fast_vision import fast_vision_paths
 from worker.model.fused_ops import reference_only
 
 fp8._has_fp8_mm = lambda device: True                    # torch's CPU _scaled_mm stands in for CUDA's
+fp8.FP8_MM_MIN_FEATURES = 16                             # the tiny shape's products take it too
 fp8.quantize_rows = fp8.quantize_rows_reference
 fp8.Fp8Linear.takes_fp8 = lambda self, x: False          # the norms' and GELU's own e4m3 casts run interpreted
 model, cfg, tok = build_model("tiny", torch.device("cpu"), torch.float32)

@@ -93,7 +93,7 @@ def test_modelopt_fp8_export_loads_into_fp8_layers_and_serves(ckpt, fp8_dir):
     # the export's logits stay with the bf16 checkpoint's (e4m3 rounding only)
     ref = AlpamayoRuntime.load(ckpt, device="cpu", dtype=torch.float32)
     p = ref._prepare(scene(2))
-    a, b = ref._prefill(p, ())[0], rt._prefill(p, ())[0]
+    a, b = ref._prefill([p], ())[0][0], rt._prefill([p], ())[0][0]
     assert torch.nn.functional.cosine_similarity(a, b, dim=0).item() > 0.995
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from worker.demo.layout import write_random_checkpoint
-from worker.model.memory_plan import GIB, MemoryPlanError, plan, reserve_bytes
+from worker.model.memory_plan import GIB, PREFILL_TOKENS, MemoryPlanError, plan, reserve_bytes
 from worker.model.runtime import AlpamayoRuntime
 
 from tests.worker.model.test_runtime import scene
@@ -29,6 +29,18 @@ def test_rows_capped_at_what_the_batches_need():
     p = plan("cuda", 141 * GIB, 0.90, weights=10 * GIB, bytes_per_column=COLUMN_32B, capacity=4096,
              rows_wanted=8, rows_needed=3)
     assert p.max_rows == 8
+
+
+def test_the_reserve_holds_a_prefill_pass_of_prefill_tokens_at_short_rows():
+    """Scenes of one prompt length prefill together (up to PREFILL_TOKENS tokens a pass): at row
+    capacities below it the reserve holds that pass's cache; at the 32B shape's (>= 4,992) one
+    scene's at full length, as before."""
+    short = plan("cuda", 141 * GIB, 0.90, weights=10 * GIB, bytes_per_column=COLUMN_32B, capacity=1024,
+                 rows_wanted=8, rows_needed=1)
+    assert short.reserve == reserve_bytes(141 * GIB, COLUMN_32B * PREFILL_TOKENS)
+    full = plan("cuda", 141 * GIB, 0.90, weights=10 * GIB, bytes_per_column=COLUMN_32B, capacity=4992,
+                rows_wanted=8, rows_needed=1)
+    assert PREFILL_TOKENS <= 4992 and full.reserve == reserve_bytes(141 * GIB, COLUMN_32B * 4992)
 
 
 def test_too_small_fraction_is_refused_in_one_line_naming_the_variable():

@@ -146,7 +146,8 @@ def test_refuses_index_mismatch(ckpt, tmp_path):
 def test_decoder_matches_transformers_forward(rt):
     req = scene(3)
     p = rt._prepare(req)
-    logits_last, layer_kv, _ = rt._prefill(p, ())
+    logits, layer_kv, _ = rt._prefill([p], ())
+    logits_last = logits[0]
     P = len(p.input_ids)
     cont = torch.tensor([15, 17, 40, 99, 120, 27, 33, 64, 80, 12])
     ids = torch.cat([p.input_ids, cont])
@@ -263,8 +264,8 @@ def test_fp8_agrees_with_full_precision(ckpt):
     ref = AlpamayoRuntime.load(ckpt, device="cpu", dtype=torch.float32)
     q = AlpamayoRuntime.load(ckpt, device="cpu", dtype=torch.float32, precision="fp8")
     p = ref._prepare(scene(9))
-    a = ref._prefill(p, ())[0]
-    b = q._prefill(p, ())[0]
+    a = ref._prefill([p], ())[0][0]
+    b = q._prefill([p], ())[0][0]
     rel = ((a - b).norm() / a.norm()).item()
     cos = torch.nn.functional.cosine_similarity(a, b, dim=0).item()
     # e4m3 with per-channel scales: relative logit error a few percent on random weights
@@ -462,3 +463,32 @@ def test_warmup_captures_the_expert_loop_at_every_rows_bucket_a_batch_can_take(r
     rt.run([scene(1), scene(2), scene(3)])                  # 3 rows: padded to the bucket of 4
     used = {key for key in rec.keys if key[0] == "expert"}
     assert used and used <= warm, (used, warm)
+
+
+def test_prefill_groups_are_runs_of_one_prompt_length_within_the_budget():
+    from worker.model.memory_plan import PREFILL_TOKENS
+    from worker.model.runtime import prefill_groups
+
+    assert prefill_groups([630] * 16, PREFILL_TOKENS) == [slice(0, 6), slice(6, 12), slice(12, 16)]   # the demo's
+    assert prefill_groups([4623, 4623], PREFILL_TOKENS) == [slice(0, 1), slice(1, 2)]     # a 32B scene goes alone
+    assert prefill_groups([5, 5, 7, 7, 5], 100) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    assert prefill_groups([5, 5], 0) == [slice(0, 1), slice(1, 2)]
+    assert prefill_groups([], PREFILL_TOKENS) == []
+
+
+def test_scenes_of_one_prompt_length_prefill_in_one_pass_with_the_same_results(rt, monkeypatch):
+    from worker.model import runtime
+
+    passes = []
+    prefill = rt._prefill
+    monkeypatch.setattr(rt, "_prefill", lambda ps, capture: (passes.append(len(ps)), prefill(ps, capture))[1])
+    batch = [scene(20 + i, k=2, temperature=0.8, seed=i) for i in range(3)]
+    together = rt.run(batch)
+    assert passes == [3]
+    monkeypatch.setattr(runtime, "PREFILL_TOKENS", 0)          # one scene a pass
+    alone = rt.run(batch)
+    assert passes == [3, 1, 1, 1]
+    for a, b in zip(together, alone):
+        assert a.token_ids == b.token_ids and a.texts == b.texts
+        assert np.allclose(a.trajectories, b.trajectories, atol=1e-4)
+        assert a.timings_ms["prefill"] > 0

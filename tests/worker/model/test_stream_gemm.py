@@ -172,6 +172,32 @@ def test_fp8_linear_module_uses_the_kernel_for_few_rows_only(interpreted):
         assert case["shape"][-1] == 24 and case["rel_err"] <= 1e-6, d
 
 
+def test_only_weights_of_fp8_mm_min_features_multiply_many_rows_in_fp8(monkeypatch):
+    """Smaller weights (the demo checkpoint's 128-768 widths) take the dequantised weight at many
+    rows, whose bf16 rows keep the demo's fp8 prefill logits within cosine 0.999 of bf16's (e4m3
+    rows: 0.9955); the 32B shape's products (1,152 wide and up) keep `_scaled_mm`."""
+    from safetensors import safe_open
+    from torch import nn
+
+    from worker.demo_cache import shipped_dir
+    from worker.model import fp8
+    from worker.model.modelopt import is_fp8_weight
+    from worker.shapes import SHAPES
+
+    monkeypatch.setattr(fp8, "_has_fp8_mm", lambda device: True)          # as on an fp8 GPU
+    assert not fp8.Fp8Linear(nn.Linear(256, 1536, bias=False)).fast
+    assert not fp8.Fp8Linear(nn.Linear(768, 256, bias=False)).fast
+    assert fp8.Fp8Linear(nn.Linear(1024, 1024, bias=False)).fast
+    s = SHAPES["32b"]
+    assert min(s["vision_hidden"], s["expert_hidden"], s["hidden"]) >= fp8.FP8_MM_MIN_FEATURES
+    shapes = {}
+    for f in (shipped_dir() / "checkpoint").glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    quantised = [shape for name, shape in shapes.items() if is_fp8_weight(name, shape)]
+    assert quantised and all(min(shape) < fp8.FP8_MM_MIN_FEATURES for shape in quantised)
+
+
 def test_quantize_rows_kernel_gives_the_torch_ops_scales_and_values(interpreted):
     cases = interpreted["quantize_rows"]
     assert [c["case"][1] for c in cases] == [300, 4100, 77]       # one block, several blocks (4096 + 4), fp32
