@@ -1,8 +1,9 @@
 """A scene's frames on their way to the model: `StagedFrames`, made when the scene is prepared
 and collected (`pixel_values`) just before its prefill.
 
-On the GPU the frames are copied into one page-locked buffer in pieces of `PIECE_FRAMES` frames,
-each piece a task of the image-prep pool; `pixel_values` sends each piece to the device and
+On the GPU the frames are copied into one page-locked buffer in pieces of about `PIECE_BYTES`
+(`piece_frames`: 6 full-HD frames; small frames, such as the demo's, in one piece, whose one copy
+and preprocessing launch a quarter of the kernels), each piece a task of the image-prep pool; `pixel_values` sends each piece to the device and
 preprocesses it there (resize, normalise, patchify: `ImageProcessing`) as soon as that piece is
 in place, so the device's copies and resizes of the first pieces run while the host still copies
 the last ones. Before, the device waited for the whole scene's host copy (149 MB, 4 ms on the
@@ -23,7 +24,12 @@ import torch
 
 from worker.model.inputs import ImageProcessing
 
-PIECE_FRAMES = 6          # frames per staged piece: a 24-frame scene in 4 (each ~37 MB at full HD)
+PIECE_BYTES = 40 << 20    # bytes per staged piece at most: a 24-frame full-HD scene in 4 (6 frames, ~37 MB)
+
+
+def piece_frames(frame_shape: tuple[int, ...], itemsize: int = 1) -> int:
+    """Frames per staged piece for frames of `frame_shape` (H, W, 3) and `itemsize` bytes a value."""
+    return max(1, PIECE_BYTES // (int(np.prod(frame_shape)) * itemsize))
 
 
 class StagedFrames:
@@ -42,7 +48,8 @@ class StagedFrames:
         if self.on_device:
             self.host = torch.empty(frames.shape, dtype=torch.from_numpy(np.empty(0, frames.dtype)).dtype,
                                     pin_memory=device.type == "cuda")
-            spans = [(a, min(a + PIECE_FRAMES, len(frames))) for a in range(0, len(frames), PIECE_FRAMES)]
+            step = piece_frames(frames.shape[1:], frames.itemsize)
+            spans = [(a, min(a + step, len(frames))) for a in range(0, len(frames), step)]
             self.pieces = [_submit(pool, self._copy, frames, a, b) for a, b in spans]
         else:
             self.pieces = [_submit(pool, self._preprocess, frames)]

@@ -5,12 +5,31 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
 import torch
 
+from worker.model import staging
 from worker.model.inputs import ImageProcessing
-from worker.model.staging import PIECE_FRAMES, StagedFrames
+from worker.model.staging import StagedFrames, piece_frames
 
 PROC = ImageProcessing()
+PIECE_FRAMES = 6
+
+
+@pytest.fixture(autouse=True)
+def pieces_of_six_small_frames(monkeypatch):
+    """The tests' 90 x 160 frames in pieces of 6, as full-HD frames are staged."""
+    monkeypatch.setattr(staging, "PIECE_BYTES", PIECE_FRAMES * 90 * 160 * 3)
+
+
+def test_full_hd_frames_go_six_a_piece_and_small_ones_in_one(monkeypatch):
+    monkeypatch.undo()
+    assert piece_frames((1080, 1920, 3)) == 6                       # a 24-frame scene in 4 pieces
+    assert piece_frames((128, 128, 3)) >= 24                        # the demo's scene in one
+    with ThreadPoolExecutor(2) as pool:
+        staged = StagedFrames(frames(hw=(128, 128)), PROC, torch.device("cpu"), torch.float32, pool, on_device=True)
+        assert len(staged.pieces) == 1
+        staged.pixel_values()
 
 
 def frames(n=24, hw=(90, 160), seed=0):
