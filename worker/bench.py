@@ -494,6 +494,10 @@ def main(argv: list[str] | None = None) -> int:
         profile_demo(args.demo, args.head, out_dir=args.profile_demo)
         return 0
     if args.throughput:
+        profiles = args.profiles.split(",")
+        if not set(profiles) <= {"bf16", "fp8"} or profiles != sorted(set(profiles)):
+            # fp8 quantises the bench's one model in place: a bf16 row after it would run fp8 weights
+            ap.error(f"--profiles {args.profiles}: give bf16, fp8 or bf16,fp8 (bf16 first: fp8 quantises the weights in place)")
         from worker import bench_throughput     # it imports this module's helpers
 
         return bench_throughput.main(args)

@@ -42,6 +42,15 @@ def test_throughput_bench_with_both_profiles_compares_fp8_and_bf16_steps_and_hf_
     assert abs(float(ratio) - float(ours) / float(theirs)) <= 0.05 * float(ratio) + 0.1
 
 
+@pytest.mark.parametrize("profiles", ["fp8,bf16", "bf16,bf16", "fp16"])
+def test_a_bf16_profile_after_fp8_is_refused_before_anything_runs(profiles, capsys):
+    """fp8 quantises the bench's one model in place: "fp8,bf16" labelled fp8 steps bf16 (H200,
+    2026-12-04: its "bf16" decode step read 10.35 ms, the fp8 one's)."""
+    with pytest.raises(SystemExit):
+        main(["--throughput", "--shape", "tiny", "--profiles", profiles])
+    assert "--profiles" in capsys.readouterr().err
+
+
 def test_demo_fp8_compares_prefill_logits_and_reasoning_with_bf16():
     """fp8 against bf16 on the shipped demo checkpoint (issue 17's rows), two held-out scenes on
     the CPU (where fp8 is the e4m3 weights dequantised: close to, not equal to, the fp32 model)."""
