@@ -65,6 +65,17 @@ class MemoryPlan:
                 "kv_cache_tokens": self.kv_cache_tokens, "max_rows": self.max_rows, "row_capacity": self.capacity}
 
 
+def prefill_groups(lengths: list[int], budget: int) -> list[slice]:
+    """The prefill passes of scenes with these prompt lengths, in order: runs of one length whose
+    prompts hold at most `budget` tokens together (a scene alone where none joins it)."""
+    groups, start = [], 0
+    for s in range(1, len(lengths) + 1):
+        if s == len(lengths) or lengths[s] != lengths[start] or (s + 1 - start) * lengths[start] > budget:
+            groups.append(slice(start, s))
+            start = s
+    return groups
+
+
 def reserve_bytes(device_total: int, prompt_cache_bytes: int) -> int:
     """Headroom besides weights and the persistent cache: 4 GiB or 4% of the device (the larger:
     activations, vision tower, logits, graph pools) plus one prefill pass's cache (transformers' own

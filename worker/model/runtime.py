@@ -36,7 +36,7 @@ from worker.model.fused_ops import available as fused_available
 from worker.model.generate import Speculator, baseline_decode, start_batch
 from worker.model.graphs import GraphCache, bucket
 from worker.model.inputs import ImageProcessing, PromptBuilder, PromptSpec, to_device, to_host
-from worker.model.memory_plan import PREFILL_TOKENS
+from worker.model.memory_plan import PREFILL_TOKENS, prefill_groups
 from worker.model.sampling import SamplingParams, sample_key
 from worker.model.staging import StagedFrames
 from worker.model.tokenizer import generation_stop_ids, load_chat_template, load_tokenizer
@@ -160,17 +160,6 @@ class _Marks:
             self.marks[-1].synchronize()
             return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
         return [(b - a) * 1000.0 for a, b in zip(self.marks, self.marks[1:])]
-
-
-def prefill_groups(lengths: list[int], budget: int) -> list[slice]:
-    """The prefill passes of scenes with these prompt lengths, in order: runs of one length whose
-    prompts hold at most `budget` tokens together (a scene alone where none joins it)."""
-    groups, start = [], 0
-    for s in range(1, len(lengths) + 1):
-        if s == len(lengths) or lengths[s] != lengths[start] or (s + 1 - start) * lengths[start] > budget:
-            groups.append(slice(start, s))
-            start = s
-    return groups
 
 
 class AlpamayoRuntime:

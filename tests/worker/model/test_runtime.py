@@ -466,8 +466,7 @@ def test_warmup_captures_the_expert_loop_at_every_rows_bucket_a_batch_can_take(r
 
 
 def test_prefill_groups_are_runs_of_one_prompt_length_within_the_budget():
-    from worker.model.memory_plan import PREFILL_TOKENS
-    from worker.model.runtime import prefill_groups
+    from worker.model.memory_plan import PREFILL_TOKENS, prefill_groups
 
     assert prefill_groups([630] * 16, PREFILL_TOKENS) == [slice(0, 6), slice(6, 12), slice(12, 16)]   # the demo's
     assert prefill_groups([4623, 4623], PREFILL_TOKENS) == [slice(0, 1), slice(1, 2)]     # a 32B scene goes alone
