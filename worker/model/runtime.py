@@ -394,16 +394,16 @@ class AlpamayoRuntime:
             for p in ok[g]:
                 self._pixel_values(p)
             marks.mark()
-            for fork in range(1 if self.share_prefill else k):
+            per = k if self.share_prefill else 1            # rows a pass fills per scene
+            for fork in range(k // per):
                 logits, layer_kv, hidden = self._prefill(ok[g], capture)
-                rows_ = slice(g.start * k, g.stop * k) if self.share_prefill else slice(g.start * k + fork,
-                                                                                      g.start * k + fork + 1)
-                cache.load_prefix(layer_kv, rows_)
-                first_logits[rows_] = logits.repeat_interleave((rows_.stop - rows_.start) // len(logits), 0)
+                first = g.start * k + fork
+                cache.load_prefix(layer_kv, slice(first, first + (g.stop - g.start) * per))
+                first_logits[first:first + (g.stop - g.start) * per] = logits.repeat_interleave(per, 0)
                 if speculate:
-                    for j, s in enumerate(range(g.start, g.stop)):
-                        self.speculator.load_context(slice(s * k, (s + 1) * k) if self.share_prefill else rows_,
-                                                     {i: h[j:j + 1] for i, h in hidden.items()}, ok[s].rope_delta)
+                    for j, p in enumerate(ok[g]):
+                        self.speculator.load_context(slice(first + j * per, first + (j + 1) * per),
+                                                     {i: h[j:j + 1] for i, h in hidden.items()}, p.rope_delta)
                 del layer_kv
         marks.mark()
         pad = rows - real
