@@ -476,9 +476,9 @@ class AlpamayoRuntime:
             tail_ms = (time.perf_counter() - t_tail) * 1000.0
         spans = marks.intervals_ms()            # per prefill pass: device image prep, prefill; then decode (, expert)
         n = 2 * len(groups)
-        prefill_ms = [spans[2 * i + 1] / (g.stop - g.start) for i, g in enumerate(groups) for _ in ok[g]]  # a scene's share
-        device_prep_ms = [spans[2 * i] / (g.stop - g.start) if dev.type == "cuda" else 0.0  # CPU: staging is host work
-                          for i, g in enumerate(groups) for _ in ok[g]]
+        shares = [[x / len(ok[g]) for x in spans[2 * i:2 * i + 2]] for i, g in enumerate(groups) for _ in ok[g]]
+        device_prep_ms = [a if dev.type == "cuda" else 0.0 for a, _ in shares]     # CPU: staging is host work
+        prefill_ms = [b for _, b in shares]                                         # a scene's share of its pass
         decode_ms = spans[n]
         if task == "trajectory":                # the expert on the device, then the host's last conversion
             diffusion_ms = spans[n + 1] + tail_ms
