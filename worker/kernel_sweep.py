@@ -35,10 +35,9 @@ def run(dev, gen, fp8_only: bool, rows: str | None, prefill: bool, small: bool =
 
 def sweep_expert_attention(dev, gen) -> None:
     """Times the expert's attention (T = 64, 16/8 heads, 4,751 live keys of 8,192) at 1, 2, 3, 4 and 8 rows
-    under the split plan and fixed split counts, 64 and 128 keys a step, in CUDA graphs (GPU only;
+    under the split plan and fixed split counts, 64 and 128 keys a step, in CUDA graphs, K/V read
+    from memory (copies cycled past the L2 cache, as the expert's 64 layers read theirs) (GPU only;
     prints a table, chooses nothing; `attention.tiled_splits` decided from it)."""
-    import triton.testing
-
     t, hq, hkv, d, cap, live_len = 64, 16, 8, 128, 8192, 4751
     print("\n| expert attention | rows | keys a step | plan us | unsplit | 4 splits | 8 | 16 |\n" + "|---" * 8 + "|")
     for rows in (1, 2, 3, 4, 8):
@@ -49,36 +48,38 @@ def sweep_expert_attention(dev, gen) -> None:
         for block_n in (64, 128):
             cells = []
             for splits in (None, 1, 4, 8, 16):
-                fn = lambda sp=splits, bn=block_n: cache_attention(q, k, v, live, False, block_n=bn, splits=sp)  # noqa: E731
-                cells.append(f"{triton.testing.do_bench_cudagraph(fn, return_mode='median') * 1e3:.1f}")
+                fn = lambda k_, v_, sp=splits, bn=block_n: cache_attention(q, k_, v_, live, False, block_n=bn,  # noqa: E731
+                                                                          splits=sp)
+                cells.append(f"{_bench_streamed_us(fn, k, v):.1f}")
             print(f"| | {rows} | {block_n} | " + " | ".join(cells) + " |", flush=True)
 
 
 def sweep_decode_attention(dev, gen, bw: float) -> None:
     """Times the decoder's attention over a 24-image prompt's cache (4,623 live keys of a 8,192
     capacity, 64/8 heads of 128, bf16) at decode (T = 1) and verify (T = 8), 1 and 16 rows, under
-    the split plan and fixed split counts, in CUDA graphs, against its K/V bytes at copy bandwidth
-    `bw` (GPU only; prints a table, chooses nothing). At batch 1 the fp8 decode step spends ~1.4 ms
-    of its 10.3 in attention by the profile, where the K/V floor is ~0.29 ms."""
-    import triton.testing
-
+    the split plan, fixed split counts and (one split) 3 or 4 K/V tiles in flight, in CUDA graphs,
+    K/V read from memory (copies cycled past the L2 cache, as a step's 64 layers read theirs),
+    against its K/V bytes at copy bandwidth `bw` (GPU only; prints a table, chooses nothing;
+    `attention.split_plan` and `attention.pipeline_stages` decided from it)."""
     hq, hkv, d = SHAPES["32b"]["decode"][0][2:5]
     cap, live_len = 8192, PREFILL_ROWS          # the worker's default row capacity; a 24-image prompt
     print(f"\n| decode attention (live {live_len} of {cap}, {hq}/{hkv} heads of {d}) | rows | T | K/V floor us "
-          "| plan us | 8 splits | 16 | 32 | 64 |\n" + "|---" * 9 + "|")
+          "| plan us | 8 splits | 16 | 32 | 64 | one split, 3 / 4 stages |\n" + "|---" * 10 + "|")
     for rows, t in ((1, 1), (1, 8), (4, 8), (16, 1), (16, 8)):
         q = torch.randn(rows, t, hq, d, device=dev, generator=gen).to(torch.bfloat16)
         k = torch.randn(rows, hkv, cap, d, device=dev, generator=gen).to(torch.bfloat16)
         v = torch.randn_like(k)
         live = torch.full((rows,), live_len, device=dev)
         cells = []
-        for splits in (None, 8, 16, 32, 64):
-            fn = lambda sp=splits: cache_attention(q, k, v, live, t > 1, splits=sp)   # noqa: E731
+        for splits, stages in ((None, None), (8, None), (16, None), (32, None), (64, None), (1, 3), (1, 4)):
+            fn = lambda k_, v_, sp=splits, st=stages: cache_attention(q, k_, v_, live, t > 1, splits=sp,  # noqa: E731
+                                                                      num_stages=st)
             try:
-                fn()
-                cells.append(f"{triton.testing.do_bench_cudagraph(fn, return_mode='median') * 1e3:.1f}")
+                fn(k, v)
+                cells.append(f"{_bench_streamed_us(fn, k, v):.1f}")
             except Exception as e:              # a split count this shape cannot take
                 cells.append(type(e).__name__)
+        cells[-2:] = [f"{cells[-2]} / {cells[-1]}"]
         floor = 2 * rows * hkv * live_len * d * 2 / bw * 1e6
         print(f"| | {rows} | {t} | {floor:.1f} | " + " | ".join(cells) + " |", flush=True)
 

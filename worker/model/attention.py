@@ -183,6 +183,20 @@ WIDE_SPLIT_KEYS = 256           # fewest keys per split for tiles of more than 1
                                 # batch 4: 4 splits 31.3, 8 32.8, 16 37.0
 
 
+def pipeline_stages(block_m: int, block_n: int, direct: bool, itemsize: int) -> int:
+    """K/V tiles in flight per program: 4 where one split reads a row's keys whole in 64-key steps
+    (decode and verify from about a program per multiprocessor up), 3 for split tiles of 64 query
+    rows (the expert's, verify(8) at batches 1-8) and the expert's unsplit 128-key steps (4 stages of those
+    would need 256 KB of shared memory, more than a multiprocessor has), else 2. H200, 2026-12-04, 4,631 live keys of 4,864, K/V
+    cycled past the L2 cache (`kernel_check --sweep`), us, 3 against 4 stages: verify(8) at batch
+    16 78.4 / 74.7, decode at batch 16 75.5 / 72.2; batch 1-4 split tiles within 0.6 either way."""
+    if itemsize != 2:
+        return 2
+    if direct:
+        return 4 if block_n <= 64 else 3
+    return 3 if block_m >= 64 else 2
+
+
 def tiled_splits(programs: int) -> int:
     """Key splits for `programs` multi-tile programs (the expert's): the most of TILED_SPLIT_CHOICES
     that keeps programs x splits within TILED_WAVES x the multiprocessors, else 1."""
@@ -262,7 +276,7 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         lpart.stride(0), lpart.stride(1), lpart.stride(2), out.stride(0), out.stride(1), out.stride(2), qk_scale,
         T=t, G=g, HKV=hkv, D=d, SPLIT=size, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, DIRECT=direct,
         num_warps=warps or (8 if block_m == 128 else 4),
-        num_stages=num_stages or (3 if (block_m >= 64 or direct) and q.element_size() == 2 else 2), **launch_args(q))
+        num_stages=num_stages or pipeline_stages(block_m, block_n, direct, q.element_size()), **launch_args(q))
     if direct:
         return out
     _merge_kernel[(b * hq, t)](

@@ -111,6 +111,36 @@ def test_the_merge_launches_one_program_per_query_of_each_head(monkeypatch):
     assert grids["merge"][0] == (64, 8) and "TB" not in grids["merge"][1]
 
 
+def test_unsplit_attention_keeps_four_key_tiles_in_flight(monkeypatch):
+    """Launches that read each row's keys in one split (decode and verify at batch 16) ran with 3
+    K/V tiles in flight: with 4, 74.7 against 78.4 us (verify(8)) and 72.2 against 75.5 (decode) on
+    the H200, K/V streamed from memory. Split tiles and the expert's 128-key steps keep theirs."""
+    from worker.model import attention
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((kw.get("BLOCK_N"), kw.get("num_stages")))
+
+    monkeypatch.setattr(attention, "available", lambda x: True)
+    monkeypatch.setattr(attention, "_split_kernel", Recorder())
+    monkeypatch.setattr(attention, "_merge_kernel", Recorder())
+
+    def stages(rows: int, t: int, hq: int, causal: bool = True) -> int:
+        launches.clear()
+        k = torch.zeros(rows, 8, 4864, 128, dtype=torch.bfloat16)
+        attention.cache_attention(torch.zeros(rows, t, hq, 128, dtype=torch.bfloat16), k, k,
+                                  torch.full((rows,), 4700), causal)
+        return launches[0][1]
+
+    assert stages(16, 8, 64) == 4 and stages(16, 1, 64) == 4          # unsplit, 64-key steps
+    assert stages(1, 8, 64) == 3 and stages(1, 1, 64) == 2            # split: as before
+    assert stages(8, 64, 16, causal=False) == 3                       # the expert's 128-key steps
+    assert stages(1, 64, 16, causal=False) == 3
+    assert attention.pipeline_stages(64, 64, True, 4) == 2            # fp32 K/V
+
+
 def test_the_experts_tiles_split_keys_8_or_4_ways_while_three_programs_a_multiprocessor_hold_them():
     """The expert's attention (64 tokens x 2 heads per KV head: two 64-row tiles) ran unsplit at
     batch 3 and 4 (60 us) and 4 ways at batch 2 (35.5 us); on the H200 8 splits took 30.5 us at
