@@ -247,8 +247,7 @@ def loops(t: Table, rt, head_layers: int, batches: list[int], context: int, new:
         spec.begin(b, cap, persistent=True, graphs=rt.graphs)
         with torch.inference_mode():
             feats = {i: torch.randn(1, context, hc.hidden_size, device=dev, dtype=rt.dtype) for i in hc.target_layer_ids}
-        spec.load_context(slice(0, b), feats, 0)
-        spec.flush_context()
+        spec.load_context(slice(0, b), feats, [0], per=b)
 
         first = torch.randn(b, rt.model.lm_head.out_features, device=dev)
 

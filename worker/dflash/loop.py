@@ -36,13 +36,6 @@ from worker.model.inputs import to_host
 from worker.model.sampling import SamplingParams, sample
 
 
-# Prompt positions whose draft context is queued before it is written in one pass: a small
-# model's scenes (the demo's ~630 positions) share the launches (on the H200 a demo scene's
-# context took 0.8 ms of host time alone, 16 scenes 13 ms of a 200 ms batch); a 32B scene
-# (4,623) is written at once, so the queue holds at most one scene's hidden states there.
-CONTEXT_BATCH_TOKENS = 4096
-
-
 class DFlash2Speculator:
     """The Speculator (worker/model/generate.py) of AlpamayoRuntime: trajectory requests decode
     through `decode`."""
@@ -59,8 +52,6 @@ class DFlash2Speculator:
         self.head_path = head_path
         self.dtype = next(base_model.parameters()).dtype
         self.policy = SpeculationPolicy()
-        self._prompts: list = []               # load_context's queue: (rows, hidden, rope_delta)
-        self._queued = 0                       # ... and its positions
 
     @classmethod
     def factory(cls, head_path: str):
@@ -73,7 +64,6 @@ class DFlash2Speculator:
 
     # ---------------------------------------------------------------- runtime hooks
     def begin(self, rows: int, capacity: int, persistent: bool = False, graphs=None) -> None:
-        self._prompts, self._queued = [], 0          # a failed batch's queued prompts go
         dev = self.draft.fc.weight.device
         self.proposer.graphs = graphs
         self._match_profile()
@@ -85,20 +75,10 @@ class DFlash2Speculator:
         if isinstance(self._target_mlp.down_proj, Fp8Linear):
             self.proposer.use_fp8()
 
-    def load_context(self, rows: slice, hidden: dict[int, torch.Tensor], rope_delta: int) -> None:
-        """Queue one scene's prompt as the draft context of `rows`; the queue is written in one
-        pass (`Proposer.write_prompts`) once it holds CONTEXT_BATCH_TOKENS positions, and by
-        `flush_context` (which `decode` calls first)."""
-        self._prompts.append((rows, hidden, rope_delta))
-        self._queued += next(iter(hidden.values())).shape[1]
-        if self._queued >= CONTEXT_BATCH_TOKENS:
-            self.flush_context()
-
-    def flush_context(self) -> None:
-        """Write the queued prompts' draft context."""
-        if self._prompts:
-            self.proposer.write_prompts(self._prompts)
-        self._prompts, self._queued = [], 0
+    def load_context(self, rows: slice, hidden: dict[int, torch.Tensor], rope_deltas: list[int], per: int = 1) -> None:
+        """A prefill pass's G prompts' hidden states {layer: (G, P, H)} as the draft context of
+        `rows` (prompt j's per samples at rows.start + j * per ...), written in one pass."""
+        self.proposer.write_prompts(rows, hidden, rope_deltas, per)
 
     def merge_stats(self, rows: list[RowStats]) -> SpecStats:
         return SpecStats.merge(self.num_spec_tokens, rows)
@@ -113,7 +93,6 @@ class DFlash2Speculator:
         -> (batch, stats): stats() gives the per-row stats and folds the batch's acceptance into
         its group's (both read the steps' logs from the device: call it once the next stage is
         launched, as the runtime does after the expert's)."""
-        self.flush_context()
         policy = self.policy
         costs = policy.costs_for(batch.rows)
         acceptance = policy.start(group, batch.rows, batch.lengths.device)

@@ -59,48 +59,41 @@ class Proposer:
         none here; the benchmarks' oracle (worker/dflash/oracle.py) loads its reference."""
 
     @torch.inference_mode()
-    def write_context(self, hidden: dict[int, torch.Tensor], start: torch.Tensor, rope_delta: torch.Tensor) -> None:
+    def write_context(self, hidden: dict[int, torch.Tensor], start: torch.Tensor, rope_delta: torch.Tensor,
+                      rows: slice | None = None) -> None:
         """Project target hidden states {layer: (b, T, H)} and write their context K/V at positions
-        start[b]..start[b]+T-1 of rows 0..b-1 (a prompt's: `write_prompts`)."""
+        start[i]..start[i]+T-1 of the i-th of `rows` (default: rows 0..b-1; a slice with a step
+        takes every per-th row, as `write_prompts` does)."""
+        b = start.shape[0]
+        caches = [(k[rows or slice(0, b)], v[rows or slice(0, b)]) for k, v in zip(self.k, self.v)]
         if fused_available(start):
-            self.draft.write_context_fused(hidden, start, rope_delta, list(zip(self.k, self.v)))
+            self.draft.write_context_fused(hidden, start, rope_delta, caches)
             return
         feats = self.draft.project(hidden)                                 # (b, T, H)
-        b, t = feats.shape[:2]
+        t = feats.shape[1]
         pos = start[:, None] + torch.arange(t, device=feats.device)        # (b, T) cache indices
         kv = self.draft.context_kv(feats, pos + rope_delta[:, None])
         d = self.draft.config.head_dim
-        for layer, (k, v) in enumerate(kv):
+        for (k_cache, v_cache), (k, v) in zip(caches, kv):
             idx = pos[:, None, :, None].expand(b, k.shape[1], t, d)
-            self.k[layer][:b].scatter_(2, idx, k.to(self.k[layer].dtype))
-            self.v[layer][:b].scatter_(2, idx, v.to(self.v[layer].dtype))
+            k_cache.scatter_(2, idx, k.to(k_cache.dtype))
+            v_cache.scatter_(2, idx, v.to(v_cache.dtype))
 
-    @torch.inference_mode()
-    def write_prompts(self, prompts: list[tuple[slice, dict[int, torch.Tensor], int]]) -> None:
-        """Prefills' context K/V in one pass: (rows, {layer: (1, P, H)} hidden states, rope_delta)
-        each, written at positions 0..P-1 of every row of `rows` (one scene's K samples). The
-        prompts are packed along positions, so the projections, rotary and writes launch once for
-        all of them (per scene they cost as much host time as a small model's whole prefill)."""
-        lengths = [next(iter(h.values())).shape[1] for _, h, _ in prompts]
-        hidden = prompts[0][1] if len(prompts) == 1 else \
-            {i: torch.cat([h[i] for _, h, _ in prompts], dim=1) for i in prompts[0][1]}    # (1, sum P, H) each
-        src, rows, cols, rope = [], [], [], []
-        offset = 0
-        for (fork, _, delta), t in zip(prompts, lengths):
-            pos = torch.arange(t)
-            k = fork.stop - fork.start
-            src.append((offset + pos).repeat(k))
-            rows.append(torch.arange(fork.start, fork.stop).repeat_interleave(t))
-            cols.append(pos.repeat(k))
-            rope.append(pos + delta)
-            offset += t
-        dev = self.draft.fc.weight.device
-        src, rows, cols = to_device(torch.stack([torch.cat(src), torch.cat(rows), torch.cat(cols)]), dev)
-        feats = self.draft.project(hidden)                                 # (1, sum P, H)
-        kv = self.draft.context_kv(feats, to_device(torch.cat(rope)[None], dev))
-        for layer, (k, v) in enumerate(kv):                                # (1, Hkv, sum P, D) each
-            self.k[layer][rows, :, cols] = k[0].transpose(0, 1)[src].to(self.k[layer].dtype)
-            self.v[layer][rows, :, cols] = v[0].transpose(0, 1)[src].to(self.v[layer].dtype)
+    def write_prompts(self, rows: slice, hidden: dict[int, torch.Tensor], rope_deltas: list[int], per: int) -> None:
+        """A prefill pass's G prompts {layer: (G, P, H)} as the context of `rows` (G x per rows:
+        prompt j's at rows.start + j * per .. + per - 1, its samples alike) at positions 0..P-1,
+        rotary positions + rope_deltas[j]: written once per prompt (one pass of launches for the
+        G prompts: per prompt they cost a demo scene 0.8 ms of the H200 host's time), then copied
+        to the prompt's other samples."""
+        g, p = next(iter(hidden.values())).shape[:2]
+        dev = self.k[0].device
+        firsts = slice(rows.start, rows.stop, per)
+        self.write_context(hidden, torch.zeros(g, dtype=torch.long, device=dev),
+                           to_device(torch.tensor(rope_deltas, dtype=torch.long), dev), firsts)
+        for sample in range(1, per):
+            others = slice(rows.start + sample, rows.stop, per)
+            for cache in (*self.k, *self.v):
+                cache[others, :, :p] = cache[firsts, :, :p]
 
     @property
     def graphed(self) -> bool:

@@ -163,9 +163,10 @@ class Speculator(Protocol):
     def begin(self, rows: int, capacity: int, persistent: bool = False, graphs: GraphCache | None = None) -> None:
         """Size the speculator's own caches for a batch of `rows` x `capacity` positions."""
 
-    def load_context(self, rows: slice, hidden: dict[int, torch.Tensor], rope_delta: int) -> None:
-        """One scene's prefill hidden states {layer: (1, P, H)} become the context of `rows` (by
-        the time `decode` runs: a speculator may write several scenes' together)."""
+    def load_context(self, rows: slice, hidden: dict[int, torch.Tensor], rope_deltas: list[int], per: int = 1) -> None:
+        """A prefill pass's G prompts' hidden states {layer: (G, P, H)} become the context of
+        `rows`: prompt j's per samples are rows rows.start + j * per .. + per - 1 (rope_deltas[j]
+        its rotary offset)."""
 
     def decode(self, decoder: TextDecoder, batch: DecodeBatch, group: object = None
                ) -> tuple[DecodeBatch, Callable[[], list[Any]]]:

@@ -401,9 +401,8 @@ class AlpamayoRuntime:
                 cache.load_prefix(layer_kv, slice(first, first + (g.stop - g.start) * per))
                 first_logits[first:first + (g.stop - g.start) * per] = logits.repeat_interleave(per, 0)
                 if speculate:
-                    for j, p in enumerate(ok[g]):
-                        self.speculator.load_context(slice(first + j * per, first + (j + 1) * per),
-                                                     {i: h[j:j + 1] for i, h in hidden.items()}, p.rope_delta)
+                    self.speculator.load_context(slice(first, first + (g.stop - g.start) * per), hidden,
+                                                 [p.rope_delta for p in ok[g]], per)
                 del layer_kv
         marks.mark()
         pad = rows - real

@@ -421,34 +421,49 @@ def test_a_batch_makes_no_device_tensor_from_host_values(runtimes, monkeypatch):
     assert made_on_device == []
 
 
-def test_a_batchs_prompts_write_their_draft_context_in_one_pass(runtimes, monkeypatch):
-    """The scenes of a batch queue their prompts' hidden states and the draft's context K/V is
-    written for all of them at once (a small model's scenes each paid the projections' and
-    writes' launches: 0.8 ms of host time a demo scene on the H200); what lands in each row is
-    the scene's own projection at positions 0..P-1, the K samples of a scene alike."""
+def test_a_prefill_pass_writes_its_prompts_draft_context_in_one_pass(runtimes, monkeypatch):
+    """A prefill pass's G prompts become the draft's context in one projection (a small model's
+    scenes each paid the projections' and writes' launches: 0.8 ms of host time a demo scene on
+    the H200; queued and packed per batch, 1.4 ms a pass of host time to pack): each prompt's
+    samples hold its own projection at positions 0..P-1 with its rotary offset, the rows outside
+    the pass nothing."""
     _, spec = runtimes
     sp = spec.speculator
     draft = sp.draft
     projected = []
     monkeypatch.setattr(draft, "project", lambda hidden, f=draft.project: projected.append(1) or f(hidden))
     gen = torch.Generator().manual_seed(0)
-    h = draft.config.hidden_size
-    prompts = [(slice(0, 2), 5, 3), (slice(2, 3), 9, -2), (slice(3, 6), 4, 0)]   # (rows, P, rope_delta)
-    hidden = [{i: torch.randn(1, t, h, generator=gen) for i in sp.target_layer_ids} for _, t, _ in prompts]
-    sp.begin(6, 16)
-    for (rows, _, delta), hs in zip(prompts, hidden):
-        sp.load_context(rows, hs, delta)
-    assert projected == []                              # queued, not yet written
-    sp.flush_context()
+    h, p, per, deltas = draft.config.hidden_size, 5, 2, [3, -2, 0]
+    hidden = {i: torch.randn(len(deltas), p, h, generator=gen) for i in sp.target_layer_ids}
+    sp.begin(9, 16)
+    sp.load_context(slice(2, 2 + len(deltas) * per), hidden, deltas, per)
     assert projected == [1]
-    for (rows, t, delta), hs in zip(prompts, hidden):
+    for j, delta in enumerate(deltas):
         with torch.inference_mode():
-            kv = draft.context_kv(draft.project(hs), torch.arange(t)[None] + delta)
+            kv = draft.context_kv(draft.project({i: x[j:j + 1] for i, x in hidden.items()}), torch.arange(p)[None] + delta)
         for layer, (k, v) in enumerate(kv):
-            for r in range(rows.start, rows.stop):
-                torch.testing.assert_close(sp.proposer.k[layer][r, :, :t], k[0], rtol=1e-6, atol=1e-6)
-                torch.testing.assert_close(sp.proposer.v[layer][r, :, :t], v[0], rtol=1e-6, atol=1e-6)
-                assert not sp.proposer.k[layer][r, :, t:].any()
+            for r in range(2 + j * per, 2 + (j + 1) * per):
+                torch.testing.assert_close(sp.proposer.k[layer][r, :, :p], k[0], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(sp.proposer.v[layer][r, :, :p], v[0], rtol=1e-5, atol=1e-5)
+                assert not sp.proposer.k[layer][r, :, p:].any()
+    for layer in range(len(sp.proposer.k)):
+        for r in (0, 1, 8):
+            assert not sp.proposer.k[layer][r].any() and not sp.proposer.v[layer][r].any()
+
+
+def test_the_runtime_hands_the_draft_one_prefill_pass_at_a_time(runtimes, monkeypatch):
+    """The runtime gives the speculator each prefill pass's hidden states whole (G prompts, each
+    scene's K samples), not scene by scene: three scenes of one prompt length at K=2 are one call
+    over their six rows, and the outputs are still the baseline's."""
+    base, spec = runtimes
+    calls = []
+    real = spec.speculator.load_context
+    monkeypatch.setattr(spec.speculator, "load_context", lambda rows, hidden, deltas, per=1: calls.append(
+        (rows, next(iter(hidden.values())).shape[0], len(deltas), per)) or real(rows, hidden, deltas, per))
+    reqs = [scene(s, k=2, temperature=0.8, seed=s) for s in (11, 12, 13)]
+    got, want = spec.run(reqs), base.run(reqs)
+    assert calls == [(slice(0, 6), 3, 3, 2)]
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
 
 
 def test_fp8_profiles_propose_through_fp8_weights_and_stay_lossless(ckpt, head):
