@@ -126,6 +126,19 @@ def check_fused_ops(shape: dict, dtype, dev, gen) -> list[tuple[str, float, floa
     rq, rk, _ = qkv.view(n, 3, vh, vd).unbind(1)
     ref_q, ref_k = apply_rotary_pos_emb_vision(rq, rk, vcos, vsin)
     rows += [("vision_rope q", *rel_err(vq, ref_q)), ("vision_rope k", *rel_err(vk, ref_k))]
+    # the DFlash2 loop's per-step bookkeeping (worker/dflash/policy.py) against its torch form
+    from worker.dflash.policy import RowAcceptance
+
+    r = 37
+    done, finishing, before = (torch.rand(r, device=dev, generator=gen) < p for p in (0.3, 0.1, 0.8))
+    last = (before, torch.randint(0, 8, (r,), device=dev, generator=gen), 7)
+    counts = torch.rand(2, r, device=dev, generator=gen) * 5
+    fused, plain = RowAcceptance(0.7, *counts.clone()), RowAcceptance(0.7, *counts.clone())
+    head, _ = fused.step(done, finishing & ~done, (3, 7), last)
+    with reference_only():
+        ref_head, _ = plain.step(done, finishing & ~done, (3, 7), last)
+    rows.append(("DFlash2 policy step: head", *rel_err(head, ref_head)))
+    rows.append(("DFlash2 policy step: decayed counts", *rel_err(fused.successes, plain.successes)))
     return rows
 
 

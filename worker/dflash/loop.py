@@ -100,20 +100,17 @@ class DFlash2Speculator:
         generating_log, accepted_log, drafted_log = [], [], []
         # the first block is drafted while the host reads the first head when the first step will
         # verify (as after each verify step below); proposals: the next verify step's drafts
-        pending = self._head(batch, acceptance)
+        pending, generating = self._head(batch, acceptance)
         proposals = self.proposer.propose(batch) if policy.first_choice(costs, group) else None
         head = _read(pending)
         while not head[0]:
-            n = policy.choose(costs, head[1], head[2:])
-            generating = batch.generating
+            n = policy.choose(costs, head[1], head[2:2 + len(policy.drafts)])
             if n == 0:
                 self._decode_step(decoder, batch)
                 accepted = torch.zeros_like(batch.lengths)
             else:
                 accepted = self._verify_step(decoder, batch, n,
                                              self.proposer.propose(batch) if proposals is None else proposals)
-                acceptance.observe(generating, accepted, n)
-            acceptance.decay()
             generating_log.append(generating)
             accepted_log.append(accepted)
             drafted_log.append(n)
@@ -121,22 +118,23 @@ class DFlash2Speculator:
             # drafted: the host reads the head, chooses and launches the next step while the device
             # drafts, instead of the device idling through that turnaround (H200, 2026-12-03: a
             # 17-step reasoning 1.8 ms shorter); after a decode step the next one drafts first if it verifies
-            pending = self._head(batch, acceptance)
+            pending, generating = self._head(batch, acceptance, (generating, accepted, n))
             proposals = self.proposer.propose(batch) if n else None
             head = _read(pending)
+            acceptance.record(head, n)
 
         def stats() -> list[RowStats]:
             policy.finish(group, acceptance)
             return row_stats(generating_log, accepted_log, batch.rows, self.num_spec_tokens, drafted_log)
         return batch, stats
 
-    def _head(self, batch: DecodeBatch, acceptance) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """What the policy reads before a step: [all rows done, rows generating, expected tokens of
-        each draft count], copied to the host without waiting (read it with `_read`)."""
-        generating = batch.generating
-        expected = acceptance.expected_tokens(generating, self.policy.drafts)
-        (head,), ready = to_host(torch.cat([batch.done.all()[None].float(), generating.sum()[None].float(), expected]))
-        return head, ready
+    def _head(self, batch: DecodeBatch, acceptance, last=None) -> tuple[tuple, torch.Tensor]:
+        """What the policy reads before a step (`RowAcceptance.step`: the last step's acceptance
+        observed), copied to the host without waiting (read it with `_read`), and the rows
+        generating now."""
+        head, generating = acceptance.step(batch.done, batch.finishing, self.policy.drafts, last)
+        (head,), ready = to_host(head)
+        return (head, ready), generating
 
     def _verify_step(self, decoder: TextDecoder, batch: DecodeBatch, n: int, proposals: torch.Tensor) -> torch.Tensor:
         """Verify [next_token, d1..dn] of proposals (B, >= n), accept, commit -> accepted drafts (R,)

@@ -14,10 +14,11 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import torch  # noqa: E402
 
+from worker.dflash import policy  # noqa: E402
 from worker.model import attention, fp8, fused_ops, stream_gemm  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
-FLOATS = {"eps", "scaling", "qk_scale"}
+FLOATS = {"eps", "scaling", "qk_scale", "prior", "decay", "prior_weight"}
 
 
 def compiled(fn, pointers: dict[str, str], constants: dict, warps: int = 4, stages: int = 3, **options):
@@ -77,11 +78,16 @@ def _cases():
     yield ("f16 rows", stream_gemm._f16_rows_kernel, dict(X=bf, X16="*fp16", DOWN=f32),
            dict(BLOCK=stream_gemm.F16_ROWS_BLOCK, GDC=True), 4)
     for t, block_m, block_n, direct in [(1, 16, 64, False), (8, 64, 64, False), (64, 64, attention.TILED_BLOCK_N, True),
-                                        (64, 64, 64, False)]:     # the expert at batch 1-2: split tiles
+                                        (64, 64, 64, False), (8, 64, 64, True), (1, 16, 64, True)]:   # the expert at
+        # batch 1-2: split tiles; decode and verify from batch 16: one split, 4 stages
         yield (f"attention split, T={t}", attention._split_kernel,
                dict(Q=bf, K=bf, V=bf, KVLEN=i64, OPART=f32, LPART=f32, OUT=bf),
                dict(T=t, G=8, HKV=8, D=128, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=t == 8, DIRECT=direct, GDC=True),
-               (4, 3 if block_m >= 64 or direct else 2))
+               (4, attention.pipeline_stages(block_m, block_n, direct, 2)))
+    for observe in (False, True):
+        yield (f"policy step, observe={observe}", policy._policy_step_kernel,
+               dict(DONE="*u8", FINISHING="*u8", BEFORE="*u8", ACCEPTED=i64, SUCC=f32, FAIL=f32, HEAD=f32,
+                    GENERATING="*u8"), dict(OBSERVE=observe, DECAY=observe, N_A=3, N_B=7, BLOCK=16), 4)
     yield ("attention merge", attention._merge_kernel, dict(OPART=f32, LPART=f32, KVLEN=i64, OUT=bf),
            dict(HQ=64, D=128, S_MAX=16, GDC=True), 4)
 
@@ -143,6 +149,6 @@ def test_a_norms_row_is_two_pieces_that_cover_it():
 
 def test_every_launched_kernel_is_compiled_here():
     """A kernel added to the GPU path gets a case here."""
-    launched = {getattr(m, n) for m in (attention, fp8, fused_ops, stream_gemm) for n in dir(m)
+    launched = {getattr(m, n) for m in (attention, fp8, fused_ops, stream_gemm, policy) for n in dir(m)
                 if n.startswith("_") and n.endswith("_kernel")}
     assert launched == {c[1] for c in CASES}
