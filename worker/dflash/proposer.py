@@ -79,6 +79,7 @@ class Proposer:
             k_cache.scatter_(2, idx, k.to(k_cache.dtype))
             v_cache.scatter_(2, idx, v.to(v_cache.dtype))
 
+    @torch.inference_mode()
     def write_prompts(self, rows: slice, hidden: dict[int, torch.Tensor], rope_deltas: list[int], per: int) -> None:
         """A prefill pass's G prompts {layer: (G, P, H)} as the context of `rows` (G x per rows:
         prompt j's at rows.start + j * per .. + per - 1, its samples alike) at positions 0..P-1,

@@ -84,10 +84,10 @@ def _cases():
                dict(Q=bf, K=bf, V=bf, KVLEN=i64, OPART=f32, LPART=f32, OUT=bf),
                dict(T=t, G=8, HKV=8, D=128, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=t == 8, DIRECT=direct, GDC=True),
                (4, attention.pipeline_stages(block_m, block_n, direct, 2)))
-    for observe in (False, True):
-        yield (f"policy step, observe={observe}", policy._policy_step_kernel,
-               dict(DONE="*u8", FINISHING="*u8", BEFORE="*u8", ACCEPTED=i64, SUCC=f32, FAIL=f32, HEAD=f32,
-                    GENERATING="*u8"), dict(OBSERVE=observe, DECAY=observe, N_A=3, N_B=7, BLOCK=16), 4)
+    for observe, decay, accepted in ((False, False, f32), (False, True, i64), (True, True, i64)):   # a batch's first
+        yield (f"policy step, observe={observe}, decay={decay}", policy._policy_step_kernel,    # head, decode, verify
+               dict(DONE="*u8", FINISHING="*u8", BEFORE="*u8", ACCEPTED=accepted, SUCC=f32, FAIL=f32, HEAD=f32,
+                    GENERATING="*u8"), dict(OBSERVE=observe, DECAY=decay, N_A=3, N_B=7, BLOCK=16), 4)
     yield ("attention merge", attention._merge_kernel, dict(OPART=f32, LPART=f32, KVLEN=i64, OUT=bf),
            dict(HQ=64, D=128, S_MAX=16, GDC=True), 4)
 
