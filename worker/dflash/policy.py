@@ -114,7 +114,7 @@ def _fused_step(acc: RowAcceptance, done, finishing, drafts, last):
     rows = done.shape[0]
     head = torch.empty(6, device=done.device)
     generating = torch.empty_like(done)
-    before, accepted, n = last if last is not None else (done, acc.successes, 0)
+    before, accepted, n = last if last is not None else (done, acc.successes, 0)    # unread: OBSERVE off
     _policy_step_kernel[(1,)](done.view(torch.uint8), finishing.view(torch.uint8), before.view(torch.uint8), accepted,
                 acc.successes, acc.failures, head, generating.view(torch.uint8), rows, n, acc.prior, ROW_DECAY,
                 ROW_PRIOR_WEIGHT, OBSERVE=bool(n), DECAY=last is not None, N_A=drafts[0], N_B=drafts[1],

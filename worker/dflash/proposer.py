@@ -65,7 +65,8 @@ class Proposer:
         start[i]..start[i]+T-1 of the i-th of `rows` (default: rows 0..b-1; a slice with a step
         takes every per-th row, as `write_prompts` does)."""
         b = start.shape[0]
-        caches = [(k[rows or slice(0, b)], v[rows or slice(0, b)]) for k, v in zip(self.k, self.v)]
+        rows = rows or slice(0, b)
+        caches = [(k[rows], v[rows]) for k, v in zip(self.k, self.v)]
         if fused_available(start):
             self.draft.write_context_fused(hidden, start, rope_delta, caches)
             return
