@@ -118,9 +118,15 @@ class Engine:
         log.info("loaded %s (%s) on %s in %.1fs", self.checkpoint, self.settings.profile, self.runtime.device,
                  time.perf_counter() - t0)
         if warmup:
-            t0 = time.perf_counter()
-            self.runtime.warmup(list(self.settings.k_values))
-            log.info("warmed K=%s in %.1fs", list(self.settings.k_values), time.perf_counter() - t0)
+            self.warm()
+
+    def warm(self) -> None:
+        """One synthetic scene per K through the runtime (`AlpamayoRuntime.warmup`), with pinned host
+        buffers kept for the scenes of two batches: the one running and the next, whose frames the
+        worker stages meanwhile."""
+        t0 = time.perf_counter()
+        self.runtime.warmup(list(self.settings.k_values), staged_scenes=2 * self.settings.max_batch_size)
+        log.info("warmed K=%s in %.1fs", list(self.settings.k_values), time.perf_counter() - t0)
 
     def plan_memory(self) -> MemoryPlan:
         """The persistent cache's rows from ALPAMAYO_GPU_MEMORY_FRACTION, the weights now resident

@@ -81,9 +81,7 @@ def load_engine(engine, settings: Settings) -> None:
     engine.load(warmup=False)
     if settings.max_reasoning_tokens is not None and getattr(engine, "runtime", None) is not None:
         engine.runtime.trajectory_max_new = int(settings.max_reasoning_tokens)
-    t0 = time.perf_counter()
-    engine.runtime.warmup(list(settings.k_values))
-    log.info("warmed K=%s in %.1fs", list(settings.k_values), time.perf_counter() - t0)
+    engine.warm()
 
 
 class _RebalanceListener(ConsumerRebalanceListener):

@@ -38,7 +38,7 @@ from worker.model.graphs import GraphCache, bucket
 from worker.model.inputs import ImageProcessing, PromptBuilder, PromptSpec, to_device, to_host
 from worker.model.memory_plan import PREFILL_TOKENS, prefill_groups
 from worker.model.sampling import SamplingParams, sample_key
-from worker.model.staging import StagedFrames
+from worker.model.staging import StagedFrames, reserve_pinned
 from worker.model.tokenizer import generation_stop_ids, load_chat_template, load_tokenizer
 from worker.model.trajectory_tokens import future_tokenizer_from_config, history_tokenizer_from_config
 from worker.uncertainty import checker_disagreement
@@ -564,10 +564,11 @@ class AlpamayoRuntime:
             self.expert.sample(cache, zero + 1, zero, zero, self.cfg.diffusion.num_inference_steps,
                                graphs=self.graphs)
 
-    def warmup(self, k_values: list[int], image_size: tuple[int, int] | None = None) -> None:
+    def warmup(self, k_values: list[int], image_size: tuple[int, int] | None = None, staged_scenes: int = 1) -> None:
         """Run one synthetic trajectory scene per K (untimed), so the first real request is not
-        slower; on CUDA also measure the speculator's step costs (`calibrate_speculation`) and
-        capture the expert loop at every rows bucket (`capture_expert`).
+        slower; on CUDA also measure the speculator's step costs (`calibrate_speculation`), capture
+        the expert loop at every rows bucket (`capture_expert`) and keep pinned host buffers for
+        `staged_scenes` scenes of the warm-up's frames (`staging.reserve_pinned`).
         Frames of `image_size`, by default `warmup_frame_hw`: on CUDA full-HD frames, so the
         first real batch finds the prompt-size shapes compiled and tuned (Triton variants,
         cuBLAS and cuDNN plans: the first 24-image batch of a worker warmed at 64x64 took about
@@ -587,6 +588,7 @@ class AlpamayoRuntime:
             self.run([req])
         if self.device.type == "cuda":
             self.calibrate_speculation()
+            reserve_pinned(staged_scenes, (n, image_size[0], image_size[1], 3))
         self.capture_expert()
 
     @property

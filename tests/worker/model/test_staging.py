@@ -84,3 +84,21 @@ def test_pieces_are_copied_on_the_pool_threads(monkeypatch):
     with ThreadPoolExecutor(2, thread_name_prefix="image-prep") as pool:
         StagedFrames(frames(), PROC, torch.device("cpu"), torch.float32, pool, on_device=True).pixel_values()
     assert len(names) == 24 // PIECE_FRAMES and all(n.startswith("image-prep") for n in names)
+
+
+def test_the_engine_warms_with_pinned_buffers_for_the_running_batch_and_the_next():
+    """A worker's first two batches stage their frames into pinned buffers the warm-up left in torch's
+    host cache (on the H200 the first batch of a Kafka run pinned fresh memory: 13.8 s against 6.9)."""
+    from worker.config import load_settings
+    from worker.engine import Engine
+
+    class Runtime:
+        calls = []
+
+        def warmup(self, k_values, image_size=None, staged_scenes=1):
+            self.calls.append((k_values, staged_scenes))
+
+    engine = Engine(load_settings({"ALPAMAYO_MAX_BATCH_SIZE": "16"}))
+    engine.runtime = Runtime()
+    engine.warm()
+    assert engine.runtime.calls == [(list(engine.settings.k_values), 32)]
