@@ -52,6 +52,25 @@ def test_serve_bench_answers_every_request_and_compares_with_the_engine_alone(
     assert re.search(r"infer outside the timed stages -?[\d.]+ / -?[\d.]+ s per batch", text)
     assert re.search(r"\| prefill per scene, mean of each batch in the order they ran, ms \(informational\) \| "
                      r"Kafka path \d+(, \d+)+; alone \d+(, \d+)+ \| - \|", text)       # 2 batches each
+    assert re.search(r"\| batch wall, Kafka path, by its answers \(informational\) \| first [\d.]+ s, later median "
+                     r"[\d.]+ s \(min [\d.]+, max [\d.]+\); after the first: [\d.]+ scenes/s \| - \|", text)
+
+
+def test_batch_walls_split_the_first_batch_from_the_later_ones():
+    """Answers grouped by their batch (a batch's scenes share its decode time): the first batch's
+    wall runs from readiness (the pipeline filling: on the H200 13.8 s against 6.9 for the later
+    ones, 2026-12-04), the later ones between successive batches' last answers."""
+    from types import SimpleNamespace
+
+    def answer(decode_ms, at):
+        return SimpleNamespace(metrics=SimpleNamespace(timings=SimpleNamespace(decode_ms=decode_ms))), at
+
+    results = {f"a{i}": answer(1000.0, 113.8 - 0.1 * (i % 2)) for i in range(4)}
+    results |= {f"b{i}": answer(1001.0, 120.7) for i in range(4)}
+    results |= {f"c{i}": answer(999.0, 127.4) for i in range(2)}
+    assert serve_bench.batch_walls(results, ready=100.0) == \
+        "first 13.8 s, later median 6.8 s (min 6.7, max 6.9); after the first: 0.441 scenes/s"
+    assert serve_bench.batch_walls({}, ready=100.0) == ""
 
 
 def test_the_time_outside_the_stages_counts_a_batchs_slow_scenes_as_stage_time():
