@@ -93,7 +93,8 @@ def test_the_engine_warms_with_pinned_buffers_for_the_running_batch_and_the_next
     from worker.engine import Engine
 
     class Runtime:
-        calls = []
+        def __init__(self):
+            self.calls = []
 
         def warmup(self, k_values, image_size=None, staged_scenes=1):
             self.calls.append((k_values, staged_scenes))
