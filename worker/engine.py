@@ -123,9 +123,15 @@ class Engine:
     def warm(self) -> None:
         """One synthetic scene per K through the runtime (`AlpamayoRuntime.warmup`), with pinned host
         buffers kept for the scenes of two batches: the one running and the next, whose frames the
-        worker stages meanwhile."""
+        worker stages meanwhile. A batch counts at most the scenes the memory plan's cache rows run
+        at once: a larger ALPAMAYO_MAX_BATCH_SIZE (its batches run in chunks) pins the rest on first
+        use, as before, rather than all of it at start-up (256 full-HD scenes a batch would be
+        128 GB)."""
         t0 = time.perf_counter()
-        self.runtime.warmup(list(self.settings.k_values), staged_scenes=2 * self.settings.max_batch_size)
+        per_batch = self.settings.max_batch_size
+        if self.plan is not None:
+            per_batch = min(per_batch, self.plan.max_rows)
+        self.runtime.warmup(list(self.settings.k_values), staged_scenes=2 * per_batch)
         log.info("warmed K=%s in %.1fs", list(self.settings.k_values), time.perf_counter() - t0)
 
     def plan_memory(self) -> MemoryPlan:
