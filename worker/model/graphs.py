@@ -24,6 +24,7 @@ class GraphCache:
         self.captures = 0
         self.replays = 0
         self._capturing = False
+        self._stream: torch.cuda.Stream | None = None     # the captures' stream, made on first capture
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -95,9 +96,23 @@ class GraphCache:
         torch.cuda.current_stream().wait_stream(side)
 
     def _record(self, fn: Callable[..., Any], static_in: list[torch.Tensor]):
+        """Capture fn as `torch.cuda.graph` does, less its flush of torch's caches before every
+        capture: of the device cache (kept: a capture cannot free cached blocks to make room for
+        its pool) and of the pinned host cache, which dropped the page-locked buffers the warm-up
+        keeps for the first batches' frames (`staging.reserve_pinned`; the expert's captures come
+        after it), so the first batches pinned fresh ones again (~150 ms a full-HD scene on the
+        H200), and so would a batch after any capture while serving."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            static_out = fn(*static_in)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        with torch.cuda.stream(self._stream):
+            graph.capture_begin(self._pool, capture_error_mode="thread_local")
+            try:
+                static_out = fn(*static_in)
+            finally:
+                graph.capture_end()
         return graph, static_in, static_out
 
 

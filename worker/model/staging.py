@@ -35,7 +35,8 @@ def reserve_pinned(scenes: int, frames_shape: tuple[int, ...]) -> None:
     (24 full-HD frames) took 131-158 ms to pin, a cached one 0.01 ms; 4,000 matrix products ran 14%
     slower beside a thread pinning fresh ones (0.5% beside cached ones); in a Kafka run the engine
     thread pinned the first batch's 16 scenes (2.7 s) and the prep thread the next batch's beside
-    its prefill. CUDA only."""
+    its prefill. They outlive the warm-up's later CUDA graph captures because `GraphCache` captures
+    without torch.cuda.graph's flush of this cache. CUDA only."""
     held = [torch.empty(frames_shape, dtype=torch.uint8, pin_memory=True) for _ in range(scenes)]
     del held
 
