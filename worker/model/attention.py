@@ -11,11 +11,14 @@ On CUDA this is a split-K ("flash-decoding") Triton kernel: grid (rows x KV head
 query tiles); each program loads the G*T queries of one KV head (grouped-query heads share their
 K/V, read once), streams its split of live keys with an online softmax, and writes a partial
 output and log-sum-exp; a second kernel merges the splits. Launches with about one program per
-multiprocessor or more (rows x KV heads) do not split and write the output directly (the expert's
-several query tiles per KV head split only where one wave holds 4 splits or more: batch 1 and 2).
-Splits past a row's live length do no work, so a CUDA graph captured at the cache capacity still
-reads only live keys. Tiles of more than 16 query rows (verify(8), the draft's block) aim at one
-wave of programs, not two (`split_plan`). The merge kernel takes one query of one head a program.
+multiprocessor or more (rows x KV heads) do not split and write the output directly. Tiles of
+more than 16 query rows (verify(8), the draft's block, the expert at 2-4 rows as one 128-row tile
+per KV head) aim at one wave of programs, not two (`split_plan`); the expert's two 64-row tiles
+per KV head (1 row, 5 rows and more) split where 3 programs a multiprocessor hold 4 splits or
+more (`tiled_splits`). A row's splits divide its live keys (its key steps dealt evenly among them in the
+kernel, from the row's length), not the cache capacity: a CUDA graph captured at the capacity
+reads only live keys, and every split has work. The merge kernel takes one query of one
+head a program.
 
 Elsewhere (CPU, tests) `attend_reference` is the masked matmul over the same keys.
 
@@ -75,12 +78,20 @@ def attend_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 if triton is not None:
     @triton.jit
+    def _split_steps(kv_len, split, splits, BLOCK_N: tl.constexpr):
+        """The BLOCK_N-key steps [first, last) of split `split` (any int tensor) of `splits`: a row's
+        ceil(kv_len / BLOCK_N) steps dealt evenly, so that every split has one or more where the row
+        has as many steps as there are splits."""
+        steps = tl.cdiv(kv_len, BLOCK_N)
+        return split * steps // splits, (split + 1) * steps // splits
+
+    @triton.jit
     def _split_kernel(Q, K, V, KVLEN, OPART, LPART, OUT,
                       sq_b, sq_t, sq_h, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l,
                       so_b, so_h, so_t, so_s, sl_b, sl_h, sl_t, sout_b, sout_t, sout_h,
                       qk_scale,
                       T: tl.constexpr, G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                      SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                       DIRECT: tl.constexpr, GDC: tl.constexpr):
         gdc_enter(GDC)
         pid_bh = tl.program_id(0)
@@ -89,8 +100,9 @@ if triton is not None:
         b = pid_bh // HKV
         hkv = pid_bh % HKV
         kv_len = tl.load(KVLEN + b).to(tl.int32)
-        start = pid_s * SPLIT
-        end = tl.minimum(start + SPLIT, kv_len)
+        first, last = _split_steps(kv_len, pid_s, tl.num_programs(1), BLOCK_N)
+        start = first * BLOCK_N
+        end = tl.minimum(last * BLOCK_N, kv_len)
 
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)          # query row m = g * T + t
         m_valid = offs_m < G * T
@@ -110,8 +122,8 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         k_base = K + b * sk_b + hkv * sk_h
         v_base = V + b * sv_b + hkv * sv_h
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
+        for i in range(0, last - first):          # counted from 0: a 32-bit loop (from `start` to
+            offs_n = start + i * BLOCK_N + tl.arange(0, BLOCK_N)    # `end` it compiled to 64-bit compares)
             n_valid = offs_n < end
             k = tl.load(k_base + offs_n[:, None] * sk_l + offs_d[None, :], mask=n_valid[:, None] & (offs_d[None, :] < D), other=0.0)
             s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -132,7 +144,7 @@ if triton is not None:
                      out.to(OUT.dtype.element_ty), mask=m_valid[:, None] & (offs_d[None, :] < D))
         else:
             lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-            live = m_valid & ((offs_m * 0 + start) < kv_len)
+            live = m_valid & ((offs_m * 0 + first) < last)
             tl.store(OPART + b * so_b + hq[:, None] * so_h + t[:, None] * so_t + pid_s * so_s + offs_d[None, :],
                      out, mask=live[:, None] & (offs_d[None, :] < D))
             tl.store(LPART + b * sl_b + hq * sl_h + t * sl_t + pid_s, lse, mask=live)
@@ -140,16 +152,17 @@ if triton is not None:
     @triton.jit
     def _merge_kernel(OPART, LPART, KVLEN, OUT,
                       so_b, so_h, so_t, so_s, sl_b, sl_h, sl_t, sout_b, sout_t, sout_h,
-                      HQ: tl.constexpr, D: tl.constexpr, SPLIT, S_MAX: tl.constexpr, GDC: tl.constexpr):
+                      SPLITS, HQ: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, S_MAX: tl.constexpr,
+                      GDC: tl.constexpr):
         gdc_enter(GDC)
         pid = tl.program_id(0)                   # (b, hq); one query t per program: its splits' loads
         hq = pid % HQ                            # are all a program waits for (8 queries in turn took
         b = pid // HQ                            # 6.2 us against 2.5, verify(8) at batch 1, H200)
         t = tl.program_id(1)
         kv_len = tl.load(KVLEN + b).to(tl.int32)
-        used = (kv_len + SPLIT - 1) // SPLIT
         offs_s = tl.arange(0, S_MAX)
-        s_valid = offs_s < used
+        first, last = _split_steps(kv_len, offs_s, SPLITS, BLOCK_N)
+        s_valid = (offs_s < SPLITS) & (first < last)
         offs_d = tl.arange(0, D)
         lse = tl.load(LPART + b * sl_b + hq * sl_h + t * sl_t + offs_s, mask=s_valid, other=float("-inf"))
         m = tl.max(lse, 0)
@@ -171,6 +184,12 @@ TILED_BLOCK_N = 128
 # 32.1 / 21.3, 2 rows 60.0 / 35.5 / 30.5, 3 rows 59.9 / 50.7 / 35.9, 4 rows 60.5 / 54.7 / 57.2; 8 rows
 # 69.2 unsplit against 120.4 with 2 splits
 TILED_SPLIT_CHOICES = (8, 4)
+# rows x KV heads at which the expert's 128 queries of a KV head run as one 128-row tile split for
+# one wave (`split_plan`'s wide tiles: 8, 5 and 4 splits at 2, 3 and 4 rows of 8 KV heads). H200,
+# 2026-12-04, 4,631 live keys, us, two 64-row tiles as planned before / one tile: 2 rows 25.6 /
+# 25.2, 3 rows 45.2 / 34.2 (4,864 columns; at 8,192 35.8 / 33.9), 4 rows 43.9 / 42.5; 1 row (16
+# splits) 18.2 / 19.7 and 8 rows (2 splits) 66.4 / 78.7 keep two tiles
+ONE_TILE_PROGRAMS = (16, 32)
 TILED_WAVES = 3
 _MAX_SPLITS = 64
 
@@ -204,13 +223,15 @@ def tiled_splits(programs: int) -> int:
 
 
 def split_plan(rows: int, kv_heads: int, m_tiles: int, capacity: int, block_n: int,
-               query_rows: int = 1) -> tuple[int, int]:
-    """-> (split size in keys, number of splits) for a launch over `capacity` cache columns.
+               query_rows: int = 1) -> int:
+    """-> the number of key splits for a launch over `capacity` cache columns (each row's live
+    keys are divided among them in the kernel).
 
     About one program per multiprocessor or more without splitting: one split, no merge kernel.
-    Fewer programs than that: split the keys so that about 2 waves of programs run, or one wave
-    of splits of at least WIDE_SPLIT_KEYS keys where a tile holds more than 16 query rows. Several
-    query tiles per KV head (the expert): `tiled_splits`."""
+    Fewer programs than that: split the keys so that about 2 waves of programs run (a power of two
+    of splits: decode at batch 1, 32 splits 11.9 us against 33 12.3, H200 2026-12-04), or one wave
+    of splits of at least WIDE_SPLIT_KEYS keys (at full capacity) where a tile holds more than 16
+    query rows. Several query tiles per KV head (the expert): `tiled_splits`."""
     programs = rows * kv_heads * m_tiles
     if m_tiles >= 2:
         want = tiled_splits(programs)
@@ -218,11 +239,9 @@ def split_plan(rows: int, kv_heads: int, m_tiles: int, capacity: int, block_n: i
         want = 1
     elif query_rows > 16:                # wide tiles: one wave of programs
         want = min(_SMS // programs, max(1, capacity // WIDE_SPLIT_KEYS))
-    else:
-        want = -(-2 * _SMS // programs)
-    splits = max(1, min(want, _MAX_SPLITS, -(-capacity // block_n)))
-    size = -(-(-(-capacity // splits)) // block_n) * block_n
-    return size, -(-capacity // size)
+    else:                                # about two waves, a power of two: the merge reads S_MAX = splits
+        want = 1 << max(0, (2 * _SMS // programs).bit_length() - 1)
+    return max(1, min(want, _MAX_SPLITS, -(-capacity // block_n)))
 
 
 def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_len: torch.Tensor,
@@ -245,19 +264,18 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     hkv, cap = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
     rows_m = g * t
-    # the G*T queries of a KV head in tiles of up to 64 rows (the expert's 128: two tiles, measured
-    # faster than one 128-row tile: twice the programs, the shared K/V mostly from L2)
+    # the G*T queries of a KV head in tiles of up to 64 rows (the expert's 128: two tiles, faster
+    # than one at batch 1 and from 8 rows), or one 128-row tile where 4-8 splits of it fill one wave
     if block_m is None:
         block_m = 16 if rows_m <= 16 else 32 if rows_m <= 32 else 64
+        if rows_m > 64 and q.element_size() == 2 and ONE_TILE_PROGRAMS[0] <= b * hkv <= ONE_TILE_PROGRAMS[1]:
+            block_m = 128
     m_tiles = -(-rows_m // block_m)
     if block_n is None:                               # split tiles step 64 keys (faster split, measured)
         tiled = m_tiles >= 2 and q.element_size() == 2 and tiled_splits(b * hkv * m_tiles) == 1
         block_n = TILED_BLOCK_N if tiled else 64
     if splits is None:
-        size, splits = split_plan(b, hkv, m_tiles, cap, block_n, min(rows_m, block_m))
-    else:
-        size = -(-(-(-cap // splits)) // block_n) * block_n
-        splits = -(-cap // size)
+        splits = split_plan(b, hkv, m_tiles, cap, block_n, min(rows_m, block_m))
     if out is None:
         out = torch.empty(b, t, hq, d, dtype=q.dtype, device=q.device)
     direct = splits == 1
@@ -274,7 +292,7 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3),
         lpart.stride(0), lpart.stride(1), lpart.stride(2), out.stride(0), out.stride(1), out.stride(2), qk_scale,
-        T=t, G=g, HKV=hkv, D=d, SPLIT=size, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, DIRECT=direct,
+        T=t, G=g, HKV=hkv, D=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, DIRECT=direct,
         num_warps=warps or (8 if block_m == 128 else 4),
         num_stages=num_stages or pipeline_stages(block_m, block_n, direct, q.element_size()), **launch_args(q))
     if direct:
@@ -283,5 +301,6 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         opart, lpart, kv_len, out,
         opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3),
         lpart.stride(0), lpart.stride(1), lpart.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        HQ=hq, D=d, SPLIT=size, S_MAX=max(16, triton.next_power_of_2(splits)), num_warps=4, **launch_args(q))
+        splits, HQ=hq, D=d, BLOCK_N=block_n, S_MAX=max(16, triton.next_power_of_2(splits)), num_warps=4,
+        **launch_args(q))
     return out

@@ -78,18 +78,19 @@ def _cases():
     yield ("f16 rows", stream_gemm._f16_rows_kernel, dict(X=bf, X16="*fp16", DOWN=f32),
            dict(BLOCK=stream_gemm.F16_ROWS_BLOCK, GDC=True), 4)
     for t, block_m, block_n, direct in [(1, 16, 64, False), (8, 64, 64, False), (64, 64, attention.TILED_BLOCK_N, True),
-                                        (64, 64, 64, False), (8, 64, 64, True), (1, 16, 64, True)]:   # the expert at
-        # batch 1-2: split tiles; decode and verify from batch 16: one split, 4 stages
-        yield (f"attention split, T={t}", attention._split_kernel,
+                                        (64, 64, 64, False), (64, 128, 64, False), (8, 64, 64, True),
+                                        (1, 16, 64, True)]:   # the expert at batch 1: split tiles, at 2-4
+        # one split 128-row tile; decode and verify from batch 16: one split, 4 stages
+        yield (f"attention split, T={t}, BLOCK_M={block_m}", attention._split_kernel,
                dict(Q=bf, K=bf, V=bf, KVLEN=i64, OPART=f32, LPART=f32, OUT=bf),
                dict(T=t, G=8, HKV=8, D=128, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=t == 8, DIRECT=direct, GDC=True),
-               (4, attention.pipeline_stages(block_m, block_n, direct, 2)))
+               (8 if block_m == 128 else 4, attention.pipeline_stages(block_m, block_n, direct, 2)))
     for observe, decay, accepted in ((False, False, f32), (False, True, i64), (True, True, i64)):   # a batch's first
         yield (f"policy step, observe={observe}, decay={decay}", policy._policy_step_kernel,    # head, decode, verify
                dict(DONE="*u8", FINISHING="*u8", BEFORE="*u8", ACCEPTED=accepted, SUCC=f32, FAIL=f32, HEAD=f32,
                     GENERATING="*u8"), dict(OBSERVE=observe, DECAY=decay, N_A=3, N_B=7, BLOCK=16), 4)
     yield ("attention merge", attention._merge_kernel, dict(OPART=f32, LPART=f32, KVLEN=i64, OUT=bf),
-           dict(HQ=64, D=128, S_MAX=16, GDC=True), 4)
+           dict(HQ=64, D=128, BLOCK_N=64, S_MAX=16, GDC=True), 4)
 
 
 CASES = [c if len(c) == 6 else (*c, {}) for c in _cases()]     # (..., compile options)

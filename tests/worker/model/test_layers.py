@@ -78,13 +78,46 @@ def test_wide_query_tiles_split_keys_for_one_wave():
     about a program per multiprocessor needs no split."""
     from worker.model.attention import WIDE_SPLIT_KEYS, split_plan
 
-    assert split_plan(1, 8, 1, 4864, 64, query_rows=64) == (320, 16)
-    assert [split_plan(rows, 8, 1, 4864, 64, query_rows=64)[1] for rows in (2, 4, 8, 16)] == [8, 4, 2, 1]
-    size, splits = split_plan(1, 8, 1, 8256, 64, query_rows=64)
-    assert size >= WIDE_SPLIT_KEYS and splits * 8 <= 132
-    size, splits = split_plan(1, 8, 1, 8256, 64, query_rows=8)
-    assert splits == 33 and size == 256
-    assert split_plan(32, 8, 1, 4608, 64, query_rows=64) == (4608, 1)
+    assert split_plan(1, 8, 1, 4864, 64, query_rows=64) == 16
+    assert [split_plan(rows, 8, 1, 4864, 64, query_rows=64) for rows in (2, 4, 8, 16)] == [8, 4, 2, 1]
+    splits = split_plan(1, 8, 1, 8256, 64, query_rows=64)
+    assert 8256 / splits >= WIDE_SPLIT_KEYS and splits * 8 <= 132
+    assert [split_plan(rows, 8, 1, 8256, 64, query_rows=8) for rows in (1, 2, 4, 8, 15, 16)] == [32, 16, 8, 4, 2, 1]
+    assert split_plan(32, 8, 1, 4608, 64, query_rows=64) == 1
+
+
+_SPLITS_CASE = """
+import json, torch
+from worker.model import attention
+parts = []
+class Recorder:
+    def __getitem__(self, grid):
+        return lambda opart, lpart, *a, **kw: parts.append(lpart.clone())
+empty = torch.empty
+def nan_empty(*shape, **kw):                  # partials a split never writes stay NaN
+    return empty(*shape, **kw).fill_(float("nan")) if kw.get("dtype") == torch.float32 else empty(*shape, **kw)
+attention._merge_kernel = Recorder()
+torch.empty = nan_empty
+gen = torch.Generator().manual_seed(0)
+q = torch.randn(3, 1, 8, 16, generator=gen)
+k, v = (torch.randn(3, 2, 4864, 16, generator=gen) for _ in range(2))
+for splits in (4, 32):
+    attention.cache_attention(q, k, v, torch.tensor([1000, 700, 4631]), True, splits=splits, block_n=64)
+torch.empty = empty
+print(json.dumps({"live": [[int(torch.isfinite(lse[r, 0, 0]).sum()) for r in range(3)] for lse in parts]}))
+"""
+
+
+def test_a_rows_splits_divide_its_live_keys_not_the_cache_capacity():
+    """The splits of a launch divided the cache's capacity, so past a row's live length they had
+    nothing to read: the worker's 8,192 columns held ~4,700 live keys, and of the expert's 8 splits
+    at batch 1-3 three were idle. Now each row's 64-key steps are dealt evenly among all its splits:
+    in 4 splits of 4,864 columns, rows of 1,000, 700 and 4,631 keys keep all 4 live (before: 1, 1
+    and 4); in decode's 32 splits at batch 1, a row of 4,631 keys (73 steps) all 32 (before: 25 of
+    192 keys), rows of 16 and 11 steps one split a step."""
+    from tests.worker.model.interpreted import run_interpreted
+
+    assert run_interpreted(_SPLITS_CASE)["live"] == [[4, 4, 4], [16, 11, 32]]
 
 
 def test_the_merge_launches_one_program_per_query_of_each_head(monkeypatch):
@@ -147,14 +180,41 @@ def test_the_experts_tiles_split_keys_8_or_4_ways_while_three_programs_a_multipr
     batch 2 and 35.9 at batch 3, 4 splits 54.7 at batch 4, and batch 8 stays unsplit (2 splits lost)."""
     from worker.model.attention import split_plan, tiled_splits
 
-    assert split_plan(1, 8, 2, 8192, 64, query_rows=64) == (1024, 8)
-    assert split_plan(2, 8, 2, 8192, 64, query_rows=64) == (1024, 8)
-    assert split_plan(3, 8, 2, 8192, 64, query_rows=64) == (1024, 8)
-    assert split_plan(4, 8, 2, 8192, 128, query_rows=64) == (2048, 4)
-    assert split_plan(1, 8, 2, 4864, 64, query_rows=64) == (640, 8)
+    assert [split_plan(rows, 8, 2, 8192, 64, query_rows=64) for rows in (1, 2, 3)] == [8, 8, 8]
+    assert split_plan(4, 8, 2, 8192, 128, query_rows=64) == 4
+    assert split_plan(1, 8, 2, 4864, 64, query_rows=64) == 8
     for rows in (8, 16):
-        assert split_plan(rows, 8, 2, 8192, 128, query_rows=64) == (8192, 1)
+        assert split_plan(rows, 8, 2, 8192, 128, query_rows=64) == 1
     assert [tiled_splits(p) for p in (16, 48, 50, 64, 99, 100)] == [8, 8, 4, 4, 4, 1]
+
+
+def test_the_expert_at_two_to_four_rows_runs_one_128_row_tile_per_kv_head_for_one_wave(monkeypatch):
+    """The expert's 128 queries of a KV head ran as two 64-row tiles split 8 ways at 2-3 rows and 4
+    at 4 (at 3 rows 48 x 8 programs, three waves: 45.2 us on the H200); one 128-row tile split for
+    one wave, 8 / 5 / 4 ways, took 25.2 / 34.2 / 42.5 us against 25.6 / 45.2 / 43.9. One row and 8
+    rows keep two tiles (18.2 against 19.7, 66.4 against 78.7)."""
+    from worker.model import attention
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((grid, kw.get("BLOCK_M")))
+
+    monkeypatch.setattr(attention, "available", lambda x: True)
+    monkeypatch.setattr(attention, "_split_kernel", Recorder())
+    monkeypatch.setattr(attention, "_merge_kernel", Recorder())
+
+    def form(rows: int) -> tuple:
+        launches.clear()
+        k = torch.zeros(rows, 8, 8192, 128, dtype=torch.bfloat16)
+        attention.cache_attention(torch.zeros(rows, 64, 16, 128, dtype=torch.bfloat16), k, k,
+                                  torch.full((rows,), 4631), False)
+        (b_h, splits, tiles), block_m = launches[0]
+        return block_m, splits, tiles
+
+    assert [form(rows) for rows in (2, 3, 4)] == [(128, 8, 1), (128, 5, 1), (128, 4, 1)]
+    assert form(1) == (64, 8, 2) and form(8) == (64, 1, 2)
 
 
 def test_kernels_launch_plainly_off_hopper():
