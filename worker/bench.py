@@ -463,6 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profiles", default="bf16,fp8", help="--throughput: precision profiles, in order")
     ap.add_argument("--reps", type=int, default=1, help="--throughput: timed runs per batch (median)")
     ap.add_argument("--quick", action="store_true", help="--throughput: batches 1,16; K=3 at batch 1 only")
+    ap.add_argument("--capacity", type=int, default=None,
+                    help="--throughput: cache columns per row (default: what a scene needs, rounded up to 256; "
+                         "the worker's default is 8192)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="only profile the decode/verify/draft/expert kernels, bf16, then the decode and verify "
                          "steps at batch 1 in fp8; write DIR/profile.txt")

@@ -236,8 +236,10 @@ def throughput_targets(res: dict, batches: list[int]) -> str:
 
 
 def throughput(t: Table, shape: str, batches: list[int], k3: list[int], profiles: list[str],
-               reps: int, reasoning: int | None = None, hf: bool = True) -> str:
-    """Run the benchmark; -> the Markdown targets table (rows are printed through `t` as measured)."""
+               reps: int, reasoning: int | None = None, hf: bool = True, capacity: int | None = None) -> str:
+    """Run the benchmark; -> the Markdown targets table (rows are printed through `t` as measured).
+    capacity: cache columns per row (default: what a scene needs, rounded up to 256; the worker
+    plans NIM_ALPAMAYO_MAX_MODEL_LEN's, 8,192 by default)."""
     gpu = torch.cuda.is_available()
     dev = torch.device("cuda" if gpu else "cpu")
     dtype = torch.bfloat16 if gpu else torch.float32
@@ -252,7 +254,11 @@ def throughput(t: Table, shape: str, batches: list[int], k3: list[int], profiles
     spec = DFlash2Speculator(random_draft(rt), model)
     rt.speculator = spec
     prompt = len(rt._prepare(scenes(1, 1, image_hw, "len")[0]).input_ids)
-    capacity = -(-(prompt + reasoning + 2 * rt.expert.num_waypoints) // 256) * 256
+    need = -(-(prompt + reasoning + 2 * rt.expert.num_waypoints) // 256) * 256
+    if capacity is not None and capacity < need:
+        raise SystemExit(f"--capacity {capacity}: a scene of this shape needs {need} cache columns a row; "
+                         f"give at least {need}")
+    capacity = capacity or need
     rows_wanted = max([*batches, *[3 * b for b in k3]])
     max_rows = plan_rows(rt, capacity, rows_wanted)
     t.add("thru", f"{shape}: prompt / capacity / cache rows", f"{prompt} tokens / {capacity} columns / {max_rows} rows")
@@ -386,7 +392,7 @@ def main(args) -> int:
     t = Table()
     t.add("setup", "device", torch.cuda.get_device_name(0) if gpu else "cpu")
     targets = throughput(t, args.shape, batches, k3, args.profiles.split(","), args.reps, args.new_tokens,
-                         hf=not args.skip_hf)
+                         hf=not args.skip_hf, capacity=args.capacity)
     if args.demo:
         if gpu:
             torch.cuda.empty_cache()

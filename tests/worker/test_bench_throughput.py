@@ -30,9 +30,10 @@ def test_throughput_bench_runs_whole_scenes_and_prints_the_targets(tmp_path, cap
 def test_throughput_bench_with_both_profiles_compares_fp8_and_bf16_steps_and_hf_generate(tmp_path):
     out = tmp_path / "thru.md"
     assert main(["--throughput", "--shape", "tiny", "--batches", "1", "--k3-batches", "", "--profiles", "bf16,fp8",
-                 "--new-tokens", "4", "--out", str(out)]) == 0
+                 "--new-tokens", "4", "--capacity", "1024", "--out", str(out)]) == 0
     md = out.read_text()
     assert "| HF | generate eager, batch 1, context " in md
+    assert re.search(r"\| thru \| tiny: prompt / capacity / cache rows \| \d+ tokens / 1024 columns", md)
     rows = md[md.index("### Targets: throughput"):].splitlines()[4:]
     fp8_step, bf16_step = map(float, re.search(r"fp8 decode step.*\| ([\d.]+)x \(([\d.]+) / ([\d.]+) ms\)",
                                               rows[0]).groups()[1:])
@@ -40,6 +41,15 @@ def test_throughput_bench_with_both_profiles_compares_fp8_and_bf16_steps_and_hf_
     ratio, ours, theirs = re.search(r"HF generate eager \(bf16\) \| ([\d.]+)x \((\d+) against ([\d.]+) tokens/s\)",
                                     rows[1]).groups()
     assert abs(float(ratio) - float(ours) / float(theirs)) <= 0.05 * float(ratio) + 0.1
+
+
+def test_a_capacity_smaller_than_a_scene_needs_is_refused_in_one_line():
+    """--capacity sets the cache columns a row holds, as the worker's NIM_ALPAMAYO_MAX_MODEL_LEN
+    does (8,192 by default; the bench's own default is what a scene needs); less than a scene
+    needs is refused before any scene runs."""
+    with pytest.raises(SystemExit, match=r"--capacity 64: a scene of this shape needs \d+ cache columns"):
+        main(["--throughput", "--shape", "tiny", "--batches", "1", "--k3-batches", "", "--profiles", "fp8",
+              "--new-tokens", "4", "--capacity", "64", "--skip-hf"])
 
 
 @pytest.mark.parametrize("profiles", ["fp8,bf16", "bf16,bf16", "fp16"])
