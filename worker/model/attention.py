@@ -15,9 +15,9 @@ multiprocessor or more (rows x KV heads) do not split and write the output direc
 more than 16 query rows (verify(8), the draft's block, the expert at 2-4 rows as one 128-row tile
 per KV head) aim at one wave of programs, not two (`split_plan`); the expert's two 64-row tiles
 per KV head (1 row, 5 rows and more) split where 3 programs a multiprocessor hold 4 splits or
-more (`tiled_splits`). A row's splits divide its live keys (its key steps dealt evenly among them in the
-kernel, from the row's length), not the cache capacity: a CUDA graph captured at the capacity
-reads only live keys, and every split has work. The merge kernel takes one query of one
+more (`tiled_splits`). A row's splits divide its live keys (its key steps dealt evenly among them
+in the kernel, from the row's length), not the cache capacity: a CUDA graph captured at the
+capacity reads only live keys, and every split has work. The merge kernel takes one query of one
 head a program.
 
 Elsewhere (CPU, tests) `attend_reference` is the masked matmul over the same keys.
@@ -239,7 +239,7 @@ def split_plan(rows: int, kv_heads: int, m_tiles: int, capacity: int, block_n: i
         want = 1
     elif query_rows > 16:                # wide tiles: one wave of programs
         want = min(_SMS // programs, max(1, capacity // WIDE_SPLIT_KEYS))
-    else:                                # about two waves, a power of two: the merge reads S_MAX = splits
+    else:                                # about two waves, a power of two (the merge's S_MAX is one)
         want = 1 << max(0, (2 * _SMS // programs).bit_length() - 1)
     return max(1, min(want, _MAX_SPLITS, -(-capacity // block_n)))
 
