@@ -96,12 +96,12 @@ class GraphCache:
         torch.cuda.current_stream().wait_stream(side)
 
     def _record(self, fn: Callable[..., Any], static_in: list[torch.Tensor]):
-        """Capture fn as `torch.cuda.graph` does, less its flush of torch's caches before every
-        capture: of the device cache (kept: a capture cannot free cached blocks to make room for
-        its pool) and of the pinned host cache, which dropped the page-locked buffers the warm-up
-        keeps for the first batches' frames (`staging.reserve_pinned`; the expert's captures come
-        after it), so the first batches pinned fresh ones again (~150 ms a full-HD scene on the
-        H200), and so would a batch after any capture while serving."""
+        """Capture fn as `torch.cuda.graph` does (synchronize, the device cache emptied, a side
+        stream, the cache's pool, thread-local errors) but without emptying torch's pinned host
+        cache, which torch.cuda.graph does before every capture: that dropped the page-locked
+        buffers the warm-up keeps for the first batches' frames (`staging.reserve_pinned`; the
+        expert's captures come after it), so the first batches pinned fresh ones again (~150 ms a
+        full-HD scene on the H200), and so would a batch after any capture while serving."""
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         graph = torch.cuda.CUDAGraph()
