@@ -347,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --sweep: also time the prefill's product forms and attention backends (PREFILL_ROWS rows)")
     ap.add_argument("--small", action="store_true",
                     help="with --sweep: only the many-row products of small weights, dequantised against fp8 x fp8")
+    ap.add_argument("--libraries", action="store_true",
+                    help="with --sweep: only the fp8 products of the kept libraries installed (gemlite, FBGEMM "
+                         "gen-ai, torchao) against this project's")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if gpu else "cpu")
     SHAPES_ACTIVE.update(SHAPES[args.shape])
@@ -389,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep and gpu:
         from worker import kernel_sweep
 
-        kernel_sweep.run(dev, gen, args.fp8_only, args.rows, args.prefill, args.small)
+        kernel_sweep.run(dev, gen, args.fp8_only, args.rows, args.prefill, args.small, args.libraries)
     print(f"{'FAILED' if failed else 'passed'}: {failed} check(s) out of bounds")
     return 1 if failed else 0
 

@@ -1,5 +1,5 @@
 """GPU timings of the serving path's kernels and their alternatives: `python -m worker.kernel_check
---sweep [--fp8-only] [--rows M,M] [--prefill]` (after the checks of `worker.kernel_check`; GPU
+--sweep [--fp8-only] [--rows M,M] [--prefill | --small | --libraries]` (after the checks of `worker.kernel_check`; GPU
 only, prints tables, chooses nothing). What the tables decided is in docs/benchmarks.md and next
 to each choice (`stream_gemm.LAUNCH_CONFIGS`, `layers.GEMV_MAX_ROWS`, `fp8.WEIGHT_ONLY_MAX_ROWS`,
 `fp8.FAST_ACCUM`, `fused_ops.row_warps`)."""
@@ -18,10 +18,11 @@ from worker.model.layers import GEMV_MAX_ROWS
 from worker.model.stream_gemm import LaunchConfig, launch_config, stream_linear
 
 
-def run(dev, gen, fp8_only: bool, rows: str | None, prefill: bool, small: bool = False) -> None:
+def run(dev, gen, fp8_only: bool, rows: str | None, prefill: bool, small: bool = False,
+        libraries: bool = False) -> None:
     """The sweeps `python -m worker.kernel_check --sweep` asks for."""
-    if small:
-        sweep_small_products(dev, gen)
+    if small or libraries:
+        (sweep_libraries if libraries else sweep_small_products)(dev, gen)
         return
     if not fp8_only:
         sweep_decode_attention(dev, gen, copy_bandwidth(dev))
@@ -320,3 +321,99 @@ def sweep_fp8_linear(dev, gen, only_rows: set[int] | None = None) -> None:
                     continue
                 print(f"| {c.block_m}, {c.block_n}, {c.block_k}, {c.warps}, {c.stages}{', swapped' * c.swap_ab} | {m} | {name} "
                       f"| {times[0]:.1f} | {times[1]:.1f} | {'yes' if c == launch_config(m, 1, True) else ''} |", flush=True)
+
+
+LIBRARY_ROWS = (1, 8, 16, 32)          # weight-only: decode, verify(8) at batch 1 and 2, decode at 32
+
+
+def sweep_libraries(dev, gen) -> None:
+    """Kept libraries' fp8 products against this project's at the 32B text layer's four shapes, each
+    where it is installed (issue 17 asked for the candidates measured; none is a dependency):
+    weight-only (bf16 rows, e4m3 weight) at LIBRARY_ROWS rows: `stream_linear`, gemlite's A16W8_FP8
+    (its own autotuning, split-K summed by atomic adds), FBGEMM gen-ai's `bf16fp8bf16_fast_gemv`
+    (one scale per tensor), torchao's Float8WeightOnlyConfig (eager); fp8 x fp8 at a prompt's
+    PREFILL_ROWS rows: `scaled_mm_linear` (quantize_rows + `_scaled_mm`), `quantize_rows` + FBGEMM's
+    `f8f8bf16_rowwise`, gemlite's A8W8_FP8_dynamic (its own quantisation). Each cell: us a call
+    in CUDA graphs, the weight read from memory (copies cycled past L2); then the relative error
+    against the dequantised product and `=` where a second call gave the same bits (`~` where not)."""
+    import importlib
+    import itertools
+
+    import triton.testing
+
+    from worker.model.stream_gemm import stream_linear_reference
+
+    libs = {}
+    for name, module in (("gemlite", "gemlite.helper"), ("fbgemm", "fbgemm_gpu.experimental.gen_ai"),
+                         ("torchao", "torchao.quantization")):
+        try:
+            libs[name] = importlib.import_module(module)
+        except Exception as e:                  # not installed, or built for another torch
+            print(f"{name}: not measured ({type(e).__name__}: {str(e)[:120]})")
+
+    def cell(make, n_bytes, ref) -> str:
+        """make() -> a call over its own weight copy; enough copies to exceed STREAMED_BYTES."""
+        try:
+            calls = [make() for _ in range(-(-STREAMED_BYTES // n_bytes))]
+            first = calls[0]()
+            same = torch.equal(first, calls[0]())
+            err = rel_err(first.float().reshape(ref.shape), ref)[0]
+            for c in calls[1:]:
+                c()                                 # autotuning and compilation outside the capture
+            turn = itertools.count()
+            us = triton.testing.do_bench_cudagraph(lambda: calls[next(turn) % len(calls)](),
+                                                   return_mode="median") * 1e3
+        except Exception as e:                      # a form this library, torch or row count lacks
+            return f"{type(e).__name__}: {str(e)[:60]}".replace("|", "/")
+        return f"{us:.1f} ({err:.1e} {'=' if same else '~'})"
+
+    def gemlite_a16w8(w8, scale):
+        return libs["gemlite"].A16W8_FP8(device=str(dev), dtype=torch.bfloat16).from_weights(
+            w8.clone(), scales=scale[:, None].clone())
+
+    def torchao_linear(w8, scale):
+        ao = libs["torchao"]
+        lin = torch.nn.Linear(w8.shape[1], w8.shape[0], bias=False, device=dev, dtype=torch.bfloat16)
+        lin.weight.data = (w8.float() * scale[:, None]).to(torch.bfloat16)
+        ao.quantize_(lin, ao.Float8WeightOnlyConfig())
+        return lin
+
+    print("\n| weight-only product | M | stream_linear | gemlite A16W8_FP8 | FBGEMM bf16fp8bf16_fast_gemv "
+          "| torchao Float8WeightOnly |\n" + "|---" * 6 + "|")
+    weights = {}
+    for name, n, k in SHAPES["32b"]["linear"][:4]:
+        w8, scale = quantize_weight(torch.randn(n, k, device=dev, generator=gen))
+        weights[name] = (w8, scale)
+        for m in LIBRARY_ROWS:
+            x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+            ref = stream_linear_reference(x, w8, scale).float()
+            one = torch.ones(1, device=dev)
+            forms = [lambda w=w8, s=scale: (lambda w=w.clone(), s=s.clone(): stream_linear(x, w, s))]
+            forms.append((lambda: (lambda g=gemlite_a16w8(w8, scale): g(x))) if "gemlite" in libs else None)
+            forms.append((lambda: (lambda w=w8.clone(): torch.ops.fbgemm.bf16fp8bf16_fast_gemv(x, w, one)))
+                         if "fbgemm" in libs else None)
+            forms.append((lambda: (lambda lin=torchao_linear(w8, scale): lin(x))) if "torchao" in libs else None)
+            cells = []
+            for i, make in enumerate(forms):
+                # FBGEMM's gemv takes one scale per tensor: its error is against the unscaled weight
+                r = stream_linear_reference(x, w8, torch.ones_like(scale)).float() if i == 2 else ref
+                cells.append("-" if make is None else cell(make, n * k, r))
+            print(f"| {name} ({n}x{k}) | {m} | " + " | ".join(cells) + " |", flush=True)
+    print(f"\n| fp8 x fp8 product ({PREFILL_ROWS} rows) | scaled_mm_linear | quantize_rows + FBGEMM "
+          "f8f8bf16_rowwise | gemlite A8W8_FP8_dynamic |\n" + "|---" * 4 + "|")
+    for name, (w8, scale) in weights.items():
+        n, k = w8.shape
+        x = torch.randn(PREFILL_ROWS, k, device=dev, generator=gen).to(torch.bfloat16)
+        ref = stream_linear_reference(x, w8, scale).float()
+
+        def fbgemm_rowwise(w, s):
+            xq, x_scale = quantize_rows(x)
+            return torch.ops.fbgemm.f8f8bf16_rowwise(xq, w, x_scale.view(-1), s, use_fast_accum=True)
+
+        forms = [lambda: (lambda w=w8.clone(), s=scale.clone(): scaled_mm_linear(x, w, s)),
+                 (lambda: (lambda w=w8.clone(), s=scale.clone(): fbgemm_rowwise(w, s))) if "fbgemm" in libs else None,
+                 (lambda: (lambda g=libs["gemlite"].A8W8_FP8_dynamic(device=str(dev), dtype=torch.bfloat16)
+                           .from_weights((w8.float() * scale[:, None]).to(torch.bfloat16)): g(x)))
+                 if "gemlite" in libs else None]
+        print(f"| {name} ({n}x{k}) | " + " | ".join("-" if make is None else cell(make, n * k, ref) for make in forms)
+              + " |", flush=True)
