@@ -328,7 +328,7 @@ LIBRARY_ROWS = (1, 8, 16, 32)          # weight-only: decode, verify(8) at batch
 
 def sweep_libraries(dev, gen) -> None:
     """Kept libraries' fp8 products against this project's at the 32B text layer's four shapes, each
-    where it is installed (issue 17 asked for the candidates measured; none is a dependency):
+    where it is installed (the candidates to `stream_linear` and `_scaled_mm`; none is a dependency):
     weight-only (bf16 rows, e4m3 weight) at LIBRARY_ROWS rows: `stream_linear`, gemlite's A16W8_FP8
     (its own autotuning, split-K summed by atomic adds), FBGEMM gen-ai's `bf16fp8bf16_fast_gemv`
     (one scale per tensor), torchao's Float8WeightOnlyConfig (eager); fp8 x fp8 at a prompt's
@@ -388,7 +388,7 @@ def sweep_libraries(dev, gen) -> None:
             x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
             ref = stream_linear_reference(x, w8, scale).float()
             one = torch.ones(1, device=dev)
-            forms = [lambda w=w8, s=scale: (lambda w=w.clone(), s=s.clone(): stream_linear(x, w, s))]
+            forms = [lambda: (lambda w=w8.clone(), s=scale.clone(): stream_linear(x, w, s))]
             forms.append((lambda: (lambda g=gemlite_a16w8(w8, scale): g(x))) if "gemlite" in libs else None)
             forms.append((lambda: (lambda w=w8.clone(): torch.ops.fbgemm.bf16fp8bf16_fast_gemv(x, w, one)))
                          if "fbgemm" in libs else None)
