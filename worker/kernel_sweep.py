@@ -1,8 +1,8 @@
 """GPU timings of the serving path's kernels and their alternatives: `python -m worker.kernel_check
---sweep [--fp8-only] [--rows M,M] [--prefill | --small | --libraries]` (after the checks of `worker.kernel_check`; GPU
-only, prints tables, chooses nothing). What the tables decided is in docs/benchmarks.md and next
-to each choice (`stream_gemm.LAUNCH_CONFIGS`, `layers.GEMV_MAX_ROWS`, `fp8.WEIGHT_ONLY_MAX_ROWS`,
-`fp8.FAST_ACCUM`, `fused_ops.row_warps`)."""
+--sweep [--fp8-only] [--rows M,M] [--prefill | --small | --libraries]` (after the checks of
+`worker.kernel_check`; GPU only, prints tables, chooses nothing). What the tables decided is in
+docs/benchmarks.md and next to each choice (`stream_gemm.LAUNCH_CONFIGS`, `layers.GEMV_MAX_ROWS`,
+`fp8.WEIGHT_ONLY_MAX_ROWS`, `fp8.FAST_ACCUM`, `fused_ops.row_warps`)."""
 
 from __future__ import annotations
 
