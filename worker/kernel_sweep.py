@@ -21,8 +21,11 @@ from worker.model.stream_gemm import LaunchConfig, launch_config, stream_linear
 def run(dev, gen, fp8_only: bool, rows: str | None, prefill: bool, small: bool = False,
         libraries: bool = False) -> None:
     """The sweeps `python -m worker.kernel_check --sweep` asks for."""
-    if small or libraries:
-        (sweep_libraries if libraries else sweep_small_products)(dev, gen)
+    if libraries:
+        sweep_libraries(dev, gen)
+        return
+    if small:
+        sweep_small_products(dev, gen)
         return
     if not fp8_only:
         sweep_decode_attention(dev, gen, copy_bandwidth(dev))
@@ -387,18 +390,17 @@ def sweep_libraries(dev, gen) -> None:
         for m in LIBRARY_ROWS:
             x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
             ref = stream_linear_reference(x, w8, scale).float()
+            # FBGEMM's gemv takes one scale per tensor: its error is against the unscaled weight
+            unscaled = stream_linear_reference(x, w8, torch.ones_like(scale)).float()
             one = torch.ones(1, device=dev)
-            forms = [lambda: (lambda w=w8.clone(), s=scale.clone(): stream_linear(x, w, s))]
-            forms.append((lambda: (lambda g=gemlite_a16w8(w8, scale): g(x))) if "gemlite" in libs else None)
-            forms.append((lambda: (lambda w=w8.clone(): torch.ops.fbgemm.bf16fp8bf16_fast_gemv(x, w, one)))
-                         if "fbgemm" in libs else None)
-            forms.append((lambda: (lambda lin=torchao_linear(w8, scale): lin(x))) if "torchao" in libs else None)
-            cells = []
-            for i, make in enumerate(forms):
-                # FBGEMM's gemv takes one scale per tensor: its error is against the unscaled weight
-                r = stream_linear_reference(x, w8, torch.ones_like(scale)).float() if i == 2 else ref
-                cells.append("-" if make is None else cell(make, n * k, r))
-            print(f"| {name} ({n}x{k}) | {m} | " + " | ".join(cells) + " |", flush=True)
+            forms = [  # (make, reference) per column; make None where the library is missing
+                (lambda: (lambda w=w8.clone(), s=scale.clone(): stream_linear(x, w, s)), ref),
+                ((lambda: (lambda g=gemlite_a16w8(w8, scale): g(x))) if "gemlite" in libs else None, ref),
+                ((lambda: (lambda w=w8.clone(): torch.ops.fbgemm.bf16fp8bf16_fast_gemv(x, w, one)))
+                 if "fbgemm" in libs else None, unscaled),
+                ((lambda: (lambda lin=torchao_linear(w8, scale): lin(x))) if "torchao" in libs else None, ref)]
+            print(f"| {name} ({n}x{k}) | {m} | " + " | ".join("-" if make is None else cell(make, n * k, r)
+                                                             for make, r in forms) + " |", flush=True)
     print(f"\n| fp8 x fp8 product ({PREFILL_ROWS} rows) | scaled_mm_linear | quantize_rows + FBGEMM "
           "f8f8bf16_rowwise | gemlite A8W8_FP8_dynamic |\n" + "|---" * 4 + "|")
     for name, (w8, scale) in weights.items():
