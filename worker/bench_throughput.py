@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from worker import gpu_clock
 from worker.bench import (Table, _sync, build_model, condition_successors, engine_steps, hf_generate, make_runtime,
                           random_draft, random_prompt_cache, timeit, to_fp8)
 from worker.dflash.loop import DFlash2Speculator
@@ -56,6 +57,7 @@ class Measured:
     diffusion_ms: float
     prefill_per_scene_ms: float
     spec: dict | None = None
+    clock: gpu_clock.ClockSummary | None = None       # the GPU's clock over the timed runs (`gpu_clock`)
 
     @property
     def scenes_per_s(self) -> float:
@@ -63,7 +65,7 @@ class Measured:
 
     def split(self) -> str:
         return (f"prep {self.prep_ms:.0f}, prefill {self.prefill_ms:.0f}, reasoning {self.reasoning_ms:.0f}, "
-                f"diffusion {self.diffusion_ms:.0f} ms")
+                f"diffusion {self.diffusion_ms:.0f} ms" + (f"; {self.clock}" if self.clock else ""))
 
 
 def scenes(n: int, k: int, image_hw: tuple[int, int], tag: str, cameras: tuple[int, ...] = CAMERAS,
@@ -94,7 +96,8 @@ def timed_run(rt, reqs: list[SceneRequest], reps: int) -> tuple[Measured, list]:
 def timed_runs(rts: list, reqs: list[SceneRequest], reps: int) -> list[tuple[Measured, list]]:
     """timed_run of each runtime, taken in turn (a, b, a, b, ...) so that the machine's drift
     falls on all of them alike."""
-    walls: list[list[float]] = [[] for _ in rts]
+    clock = gpu_clock.sampler()
+    spans: list[list[tuple[float, float]]] = [[] for _ in rts]
     lasts: list = [None] * len(rts)
     for _ in range(reps):
         for i, rt in enumerate(rts):
@@ -102,11 +105,11 @@ def timed_runs(rts: list, reqs: list[SceneRequest], reps: int) -> list[tuple[Mea
             t0 = time.perf_counter()
             lasts[i] = rt.run(reqs)
             _sync()
-            walls[i].append(time.perf_counter() - t0)
-    return [(_measured(w, last), last) for w, last in zip(walls, lasts)]
+            spans[i].append((t0, time.perf_counter()))
+    return [(_measured([b - a for a, b in s], last, clock and clock.during(s)), last) for s, last in zip(spans, lasts)]
 
 
-def _measured(walls: list[float], last: list) -> Measured:
+def _measured(walls: list[float], last: list, clock: gpu_clock.ClockSummary | None = None) -> Measured:
     errors = [r.error for r in last if r.error]
     if errors:
         raise RuntimeError(f"{len(errors)} scenes failed: {errors[0]}")
@@ -119,7 +122,7 @@ def _measured(walls: list[float], last: list) -> Measured:
         spec = speculative_block(merged)
     return Measured(statistics.median(walls), len(last), sum(t["image_prep"] for t in tm),
                     sum(t["prefill"] for t in tm), tm[0]["decode"], tm[0]["diffusion"],
-                    statistics.median(t["prefill"] for t in tm), spec)
+                    statistics.median(t["prefill"] for t in tm), spec, clock)
 
 
 def with_oracle(spec: DFlash2Speculator, ref: torch.Tensor):
