@@ -6,7 +6,8 @@ precision profile (bf16, then the same weights quantised to fp8) and per batch s
   dflash2   a random-weight DFlash2 draft network (its cost is real) whose proposals come from
             the oracle at tau = 4 (worker/dflash/oracle.py: the baseline's own tokens of this
             batch, errors injected), under the adaptive policy calibrated at warm-up
-Prints scenes/s per GPU with the per-stage split (image prep, prefill, reasoning, diffusion), the
+Prints scenes/s per GPU with the per-stage split (image prep, prefill, reasoning, diffusion) and the
+GPU's clock and power over the row's runs (`gpu_clock`: the prefill runs at the power cap), the
 dflash2 / baseline speed ratio at each batch and the `Targets: throughput` table of issue 17; with
 `--demo CKPT` also fp8 against bf16 on the demo checkpoint (`demo_fp8`), and with `--head HEAD`
 dflash2 against the baseline there (batch 16, K=1 and K=3, its real head: `demo_speed`).
