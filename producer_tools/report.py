@@ -51,10 +51,6 @@ def _by(rows: list[dict], key) -> dict:
     return out
 
 
-def _label(g: tuple[str, int, str, str], with_task: bool = True) -> str:
-    return (f"{g[0]} " if with_task else "") + f"K={g[1]} T={g[2]} {g[3]}"
-
-
 def summarise_lake(lake: str, run_id: str | None = None) -> dict[str, Any]:
     if not any((Path(lake) / t).is_dir() for t in ("results", "dead_letters")):
         raise ToolError(f"--lake {lake}: no lake there (neither {lake}/results nor {lake}/dead_letters exists); "

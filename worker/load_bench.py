@@ -32,7 +32,7 @@ from worker.model.config import AlpamayoConfig
 from worker.model.memory_plan import GIB, GPUS, ModelBytes, longest_rows_for, scenes_that_fit
 from worker.model.modelopt import is_fp8_weight
 
-RELEASE_SHARDS, RELEASE_BYTES = 15, 71.6e9      # the Alpamayo 2 Super release (bf16)
+RELEASE_SHARDS = 15                             # the Alpamayo 2 Super release: 15 bf16 shards, 71.6 GB
 TARGET_GBPS, TARGET_READY_S, HOST_SLACK = 2.0, 90.0, 2 << 30
 PROFILES = ("bf16", "bf16-dflash2", "fp8", "fp8-dflash2")
 # columns per row: the default (NIM_ALPAMAYO_MAX_MODEL_LEN unset), and NIM_ALPAMAYO_MAX_MODEL_LEN=4992, which holds

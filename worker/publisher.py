@@ -331,10 +331,6 @@ class Publisher:
             self._wakeup.set()
 
     @property
-    def queued(self) -> int:
-        return len(self._queue)
-
-    @property
     def held(self) -> int:
         return len(self._held)
 

@@ -211,13 +211,6 @@ class LocalKafka:
         ports = self._ports()
         return ",".join(f"127.0.0.1:{ports[i]['client']}" for i in self.ids)
 
-    @property
-    def internal_bootstrap(self) -> str:
-        """The unauthenticated loopback listener (PLAINTEXT inter-broker one under sasl_ssl)."""
-        ports = self._ports()
-        key = "internal" if self.security == "sasl_ssl" else "client"
-        return ",".join(f"127.0.0.1:{ports[i][key]}" for i in self.ids)
-
     def client_config(self, user: str | None = None) -> dict:
         """Keyword arguments for aiokafka clients (bootstrap, security, SASL/SCRAM, TLS context)."""
         cfg: dict = {"bootstrap_servers": self.bootstrap}

@@ -174,10 +174,6 @@ class SpeculationPolicy:
         self.costs: dict[int, StepCosts] = {}
         self.groups: dict[object, tuple[float, float]] = {}     # (task, K) -> decayed (successes, failures)
 
-    @property
-    def calibrated(self) -> bool:
-        return bool(self.costs)
-
     def costs_for(self, rows: int) -> StepCosts | None:
         """The costs of the smallest calibrated bucket holding `rows` (the largest one past it)."""
         if not self.costs:
