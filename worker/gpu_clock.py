@@ -61,7 +61,10 @@ class ClockSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            reading = self._reader()
+            try:
+                reading = self._reader()
+            except Exception:          # the driver stopped answering: keep what was sampled
+                return
             with self._lock:
                 self._samples.append((time.perf_counter(), reading))
             self._stop.wait(self._period)

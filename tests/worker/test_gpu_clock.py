@@ -1,6 +1,7 @@
 """The benchmarks' clock sampler (worker/gpu_clock.py): readings taken on its thread, summarised
 over the timed runs' spans only; no NVML, no sampler."""
 
+import threading
 import time
 
 from worker import gpu_clock
@@ -27,3 +28,15 @@ def test_a_span_summarises_only_the_readings_taken_inside_it():
 
 def test_without_a_gpu_nothing_is_sampled():
     assert gpu_clock.sampler() is None            # the CPU machine: the bench's rows carry no clock
+
+
+def test_a_reader_that_fails_ends_the_sampling_quietly_and_keeps_what_was_read(monkeypatch):
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", raised.append)
+    readings = iter([(1500.0, 650.0, True)] * 3)
+    t0 = time.perf_counter()
+    s = ClockSampler(lambda: next(readings), period=0.001).start()
+    s._thread.join(timeout=5)                     # StopIteration on the fourth read ends the thread
+    assert not s._thread.is_alive() and raised == []      # no traceback over the bench's output
+    got = s.during([(t0, time.perf_counter())])
+    assert got is not None and got.samples == 3 and got.median_mhz == 1500.0
