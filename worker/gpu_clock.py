@@ -82,7 +82,7 @@ class ClockSampler:
 
 
 def nvml_reader(index: int = 0) -> Callable[[], Reading] | None:
-    """A reader of GPU `index` through NVML, or None where NVML cannot be had."""
+    """A reader of GPU `index` (NVML's numbering) through NVML, or None where NVML cannot be had."""
     try:
         import pynvml
 
@@ -114,7 +114,12 @@ def sampler() -> ClockSampler | None:
 
         if not torch.cuda.is_available():
             return None
-        reader = nvml_reader(torch.cuda.current_device())
+        cuda_index = torch.cuda.current_device()
+        try:                           # NVML counts every GPU; CUDA only the visible ones
+            index = torch.cuda._get_nvml_device_index(cuda_index)
+        except Exception:
+            index = cuda_index
+        reader = nvml_reader(index)
         if reader is None:
             return None
         _sampler = ClockSampler(reader).start()
