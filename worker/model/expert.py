@@ -52,8 +52,8 @@ class ActionExpert:
 
     def _route_short_products(self) -> None:
         """fp8 q/k/v and gate/up products multiply fp8 x fp8 above WEIGHT_ONLY_ROWS rows."""
-        for qkv, gate_up, _ in self.stack.parts:
-            for proj in (qkv, gate_up):
+        for qkv_proj, gate_up, _ in self.stack.parts:
+            for proj in (qkv_proj, gate_up):
                 for m in proj if isinstance(proj, tuple) else (proj,):
                     if isinstance(m, Fp8Linear):
                         m.weight_only_rows = WEIGHT_ONLY_ROWS
