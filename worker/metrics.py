@@ -67,6 +67,11 @@ class WorkerMetrics:
         self.partition_repairs = Counter(
             "alpamayo_partition_repairs_total", "Partitions re-opened because the broker's offsets disagreed with the "
             "worker's (lost_commit, stalled_fetch: worker.partition_watch)", ["kind"], registry=r)
+        self.outputs_dropped = Counter(
+            "alpamayo_outputs_dropped_total", "Results and dead letters left unpublished because their input "
+            "partition moved to another consumer, which processes those requests again", registry=r)
+        self.commit_failures = Counter("alpamayo_offset_commit_failures_total",
+                                       "Offset commits that failed (at_least_once: retried)", registry=r)
         self.gpu_memory = Gauge("alpamayo_gpu_memory_bytes", "GPU memory held by the process (0 on CPU)",
                                 registry=r)
         self.ready = Gauge("alpamayo_ready", "1 once loaded and warm", registry=r)

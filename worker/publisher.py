@@ -337,7 +337,7 @@ class Publisher:
     def _take(self) -> list[Output]:
         batch, self._queue = self._queue, []
         fresh = [o for o in batch if self.tracker.is_current(o.tp, o.epoch)]
-        self.dropped_stale += len(batch) - len(fresh)
+        self._dropped(len(batch) - len(fresh))
         return fresh
 
     async def run(self) -> None:
@@ -379,6 +379,12 @@ class Publisher:
             log.debug("flushed %d outputs, committed %s", len(batch), committed)
             return committed
 
+    def _dropped(self, n: int) -> None:
+        """n outputs of partitions this worker no longer owns, left unpublished."""
+        self.dropped_stale += n
+        if self.metrics is not None and n:
+            self.metrics.outputs_dropped.inc(n)
+
     def _account(self, batch: list[Output]) -> None:
         self.published += len(batch)
         if self.metrics is None:
@@ -415,6 +421,8 @@ class Publisher:
         except Exception as exc:  # rebalance in progress, coordinator moved: retried, else re-delivered
             self._commit_failed = True
             self.commit_failures += 1
+            if self.metrics is not None:
+                self.metrics.commit_failures.inc()
             log.warning("offset commit failed (%s: %s); retried in %.0fs (re-delivered if it never succeeds)",
                         type(exc).__name__, exc, COMMIT_RETRY_S)
             return {}
@@ -425,7 +433,7 @@ class Publisher:
     def _in_offset_order(self, batch: list[Output]) -> list[Output]:
         """The outputs that extend their partition's contiguous completed prefix; the rest is held."""
         candidates = [o for o in self._held if self.tracker.is_current(o.tp, o.epoch)] + batch
-        self.dropped_stale += len(self._held) + len(batch) - len(candidates)
+        self._dropped(len(self._held) + len(batch) - len(candidates))
         ready_offsets: dict[TP, set[int]] = {}
         for o in candidates:
             ready_offsets.setdefault(o.tp, set()).add(o.offset)
@@ -458,7 +466,7 @@ class Publisher:
         False when the partition has no producer (revoked meanwhile: its work is dropped)."""
         producer = self.producer.for_partition(tp)
         if producer is None:
-            self.dropped_stale += len(outputs)
+            self._dropped(len(outputs))
             return False
         async with producer.transaction():
             deliveries = [await producer.send(t, o.value, key=o.key, headers=o.headers)

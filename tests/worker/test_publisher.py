@@ -10,6 +10,7 @@ import pytest
 from aiokafka.errors import KafkaConnectionError, ProducerFenced
 
 import schemas as S
+from worker.metrics import WorkerMetrics
 from worker.publisher import COMMIT_RETRY_S, OffsetTracker, Output, Publisher, PublishError, result_output
 
 TP0, TP1 = ("req", 0), ("req", 1)
@@ -184,14 +185,17 @@ async def test_commit_failure_is_not_fatal_and_is_retried_next_flush():
     t.add(TP0, 0)
     prod, cons = FakeProducer(), FakeConsumer([TP0])
     cons.fail_commit = True
-    pub = Publisher(prod, cons, t, "g", exactly_once=False, tp_factory=FakeTP)
+    metrics = WorkerMetrics(spec_counters=False)
+    pub = Publisher(prod, cons, t, "g", exactly_once=False, metrics=metrics, tp_factory=FakeTP)
     pub.submit([out(TP0, 0, e, "a")])
     flush = asyncio.create_task(pub.flush())
     await asyncio.sleep(0.01)
     prod.ack_all()
     assert await flush == {}
+    assert metrics.commit_failures._value.get() == 1          # alpamayo_offset_commit_failures_total
     cons.fail_commit = False
     assert await pub.flush() == {TP0: 1}
+    assert metrics.commit_failures._value.get() == 1
 
 
 async def test_stale_outputs_of_a_revoked_partition_are_dropped():
@@ -201,10 +205,12 @@ async def test_stale_outputs_of_a_revoked_partition_are_dropped():
     t.revoke(TP0)
     t.assign(TP0)
     prod, cons = FakeProducer(), FakeConsumer([TP0])
-    pub = Publisher(prod, cons, t, "g", exactly_once=False, tp_factory=FakeTP)
+    metrics = WorkerMetrics(spec_counters=False)
+    pub = Publisher(prod, cons, t, "g", exactly_once=False, metrics=metrics, tp_factory=FakeTP)
     pub.submit([out(TP0, 0, e_old, "a")])
     assert await pub.flush() == {}
     assert prod.sent == [] and pub.dropped_stale == 1
+    assert metrics.outputs_dropped._value.get() == 1          # alpamayo_outputs_dropped_total
 
 
 async def test_exactly_once_each_partition_commits_through_its_own_producer():
@@ -340,12 +346,14 @@ async def test_exactly_once_held_outputs_of_a_revoked_partition_are_dropped():
     t.add(TP0, 0)
     t.add(TP0, 1)
     prods, cons = FakePartitionProducers([TP0]), FakeConsumer([TP0])
-    pub = Publisher(prods, cons, t, "grp", exactly_once=True, tp_factory=FakeTP)
+    metrics = WorkerMetrics(spec_counters=False)
+    pub = Publisher(prods, cons, t, "grp", exactly_once=True, metrics=metrics, tp_factory=FakeTP)
     pub.submit([out(TP0, 1, e, "b")])
     await pub.flush()
     t.revoke(TP0)
     t.assign(TP0)
     assert await pub.flush() == {} and pub.held == 0 and prods.producers[TP0].txns == []
+    assert metrics.outputs_dropped._value.get() == 1
 
 
 def test_records_fetched_before_the_assignment_seek_are_refused():
