@@ -341,7 +341,8 @@ class LakeSink:
                 for row in ROW_BUILDERS[table](r):
                     groups[(table, row.get("run_id"), _utc_date(r.timestamp, row.get("completed_at")))].append(row)
         name = segment_file_name(p.topic, p.partition, start, end)
-        for (table, run_id, date), rows in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or "", kv[0][2])):
+        files = sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or "", kv[0][2]))
+        for i, ((table, run_id, date), rows) in enumerate(files, 1):
             path = hive_dir(self.lake, table, run_id, date) / name
             if path.exists():
                 self.stats["files_skipped"] += 1
@@ -351,7 +352,8 @@ class LakeSink:
             atomic_write_bytes(path, table_bytes(rows_to_table(rows, table)))
             self.stats["files_written"] += 1
             self.stats["rows_written"] += len(rows)
-            if self.opts.debug_pause:
+            if self.opts.debug_pause:       # the chaos harness kills a sink inside this pause (MID_SEGMENT_LINE)
+                log.info("%s: file %d of %d written; pausing %.2fs", name, i, len(files), self.opts.debug_pause)
                 time.sleep(self.opts.debug_pause)
 
     async def _commit(self, tp, offset: int) -> None:

@@ -4,9 +4,10 @@ lake (none lost, none twice, none of an aborted transaction).
 
 No worker: result records are published straight to the results topic in transactions (one in
 eight aborted), in waves while the faults run. The sinks rotate segments every few rows and pause
-after each data file (``--debug-pause``), so a SIGKILL lands between the files of a segment; the
-partition's next owner must finish that segment with its own bounds, and may itself be killed,
-stopped (its replay cut short) or revoked (a restarted sink joins) while it does.
+after each data file (``--debug-pause``, logged), and the first SIGKILL and half of the others wait
+for a sink inside such a pause between two files of one segment; the partition's next owner must
+finish that segment with its own bounds, and may itself be killed, stopped (its replay cut short)
+or revoked (a restarted sink joins) while it does.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 import logging
 import os
 import random
+import re
 import time
 import uuid
 from collections import Counter
@@ -38,6 +40,8 @@ RUNS = ("ms-a", "ms-b", "ms-c")     # three run ids: three files per segment
 REPLAY_LINE = "are finished with their own bounds"
 CUT_LINE = "left to the next owner"
 STARTUP_S = 5.0             # SIGTERM only sinks up this long (their handler is installed)
+MID_SEGMENT_LINE = re.compile(r": file (\d+) of (\d+) written; pausing")    # the sink's debug-pause line
+TARGET_WAIT_S = 5.0         # a targeted kill waits this long for a sink paused mid-segment, then kills any
 
 
 def _result(rid: str, run: str, i: int) -> S.InferResult:
@@ -82,6 +86,33 @@ class _Aborting:
 
     async def __aexit__(self, *exc):
         await self.producer.abort_transaction()
+
+
+def _paused_mid_segment(m: Managed, pause: float) -> bool:
+    """Whether sink m is inside its debug pause between two files of one segment: its log's last
+    written-file line reads "file i of n" with i < n, and the log changed less than half a pause ago."""
+    path = m.log_path()
+    try:
+        st = path.stat()
+        if time.time() - st.st_mtime > pause / 2:
+            return False
+        with path.open("rb") as f:
+            f.seek(max(0, st.st_size - 4096))
+            hits = MID_SEGMENT_LINE.findall(f.read().decode(errors="replace"))
+    except OSError:
+        return False
+    return bool(hits) and int(hits[-1][0]) < int(hits[-1][1])
+
+
+async def _paused_sink(alive: list[Managed], pause: float) -> Managed | None:
+    """The first of `alive` seen paused mid-segment within TARGET_WAIT_S (logs polled every 10 ms)."""
+    deadline = time.monotonic() + TARGET_WAIT_S
+    while time.monotonic() < deadline:
+        for m in alive:
+            if m.alive and _paused_mid_segment(m, pause):
+                return m
+        await asyncio.sleep(0.01)
+    return None
 
 
 async def _settled(broker: Broker, topics: Topics, group: str, committed: set) -> bool:
@@ -163,7 +194,9 @@ async def run_multi_sink(broker: Broker, *, scenes: int = 600, faults: int = 12,
                 if kind != "start" and len(alive) == 1 and stopped:
                     kind = "start"          # keep at least one sink consuming
                 if kind == "kill":
-                    await rng.choice(alive).kill()
+                    targeted = fig.sink_kills == 0 or rng.random() < 0.5
+                    victim = (await _paused_sink(alive, debug_pause) if targeted else None) or rng.choice(alive)
+                    await victim.kill()
                     fig.sink_kills += 1
                 elif kind == "term":          # a sink still importing has no SIGTERM handler yet
                     settled_in = [m for m in alive if time.monotonic() - started[m.name] >= STARTUP_S]
