@@ -151,19 +151,24 @@ PREFILL_ROWS = 4623                    # one 24-image scene's prompt (docs/bench
 STREAMED_BYTES = 256 << 20             # weight copies cycled per timing: more than the L2 cache holds
 
 
-def _bench_streamed_us(fn, weight: torch.Tensor, *rest: torch.Tensor) -> float:
-    """Microseconds of fn(weight, *rest) replayed in a CUDA graph, cycling through copies of the
-    weight (and `rest`, its companions) that together exceed the L2 cache, so each call reads
-    its weight from memory as a decode step does."""
+def _cycled_us(calls: list) -> float:
+    """Microseconds of one call replayed in a CUDA graph, taking `calls` (each over its own copy of
+    the operands) in turn."""
     import itertools
 
     import triton.testing
 
+    turn = itertools.count()
+    return triton.testing.do_bench_cudagraph(lambda: calls[next(turn) % len(calls)](), return_mode="median") * 1e3
+
+
+def _bench_streamed_us(fn, weight: torch.Tensor, *rest: torch.Tensor) -> float:
+    """Microseconds of fn(weight, *rest) replayed in a CUDA graph, cycling through copies of the
+    weight (and `rest`, its companions) that together exceed the L2 cache, so each call reads
+    its weight from memory as a decode step does."""
     copies = [(weight, *rest)] + [(weight.clone(), *(r.clone() for r in rest))
                                   for _ in range(-(-STREAMED_BYTES // (weight.numel() * weight.element_size())) - 1)]
-    turn = itertools.count()
-    return triton.testing.do_bench_cudagraph(lambda: fn(*copies[next(turn) % len(copies)]),
-                                             return_mode="median") * 1e3
+    return _cycled_us([lambda c=c: fn(*c) for c in copies])
 
 
 def sweep_fp8_prefill(dev, gen, rows: int = PREFILL_ROWS) -> None:
@@ -340,9 +345,6 @@ def sweep_libraries(dev, gen) -> None:
     in CUDA graphs, the weight read from memory (copies cycled past L2); then the relative error
     against the dequantised product and `=` where a second call gave the same bits (`~` where not)."""
     import importlib
-    import itertools
-
-    import triton.testing
 
     from worker.model.stream_gemm import stream_linear_reference
 
@@ -363,9 +365,7 @@ def sweep_libraries(dev, gen) -> None:
             err = rel_err(first.float().reshape(ref.shape), ref)[0]
             for c in calls[1:]:
                 c()                                 # autotuning and compilation outside the capture
-            turn = itertools.count()
-            us = triton.testing.do_bench_cudagraph(lambda: calls[next(turn) % len(calls)](),
-                                                   return_mode="median") * 1e3
+            us = _cycled_us(calls)
         except Exception as e:                      # a form this library, torch or row count lacks
             return f"{type(e).__name__}: {str(e)[:60]}".replace("|", "/")
         return f"{us:.1f} ({err:.1e} {'=' if same else '~'})"
